@@ -1,0 +1,51 @@
+"""Typed errors shared by every layer.
+
+Each carries a message a user can act on. The gateway maps them onto OpenAI's
+error envelope; the CLI prints them. Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+
+class BatonError(Exception):
+    """Base class of every error Baton raises on purpose."""
+
+
+class InvalidRequestError(BatonError):
+    """A request parameter is out of range or malformed; raised at admission."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt (plus what was asked to generate) does not fit the context."""
+
+    def __init__(self, message: str, param: str | None = "prompt") -> None:
+        super().__init__(message, param)
+
+
+class ModelLoadError(BatonError):
+    """Model files are missing, corrupt or inconsistent."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The model's architecture is not one Baton implements."""
+
+    def __init__(self, architecture: str, supported: tuple[str, ...]) -> None:
+        super().__init__(
+            f"unsupported model architecture {architecture!r}; "
+            f"Baton supports: {', '.join(supported)}"
+        )
+        self.architecture = architecture
+        self.supported = supported
+
+
+class EngineDeadError(BatonError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class EngineFaultError(BatonError):
+    """An engine step failed; the requests in that step are failed with it."""

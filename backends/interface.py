@@ -1,0 +1,207 @@
+"""The contract between the scheduler and an execution backend.
+
+Plain data only, and no torch import: the scheduler and the cache import this
+module, and they never touch tensors.
+
+Flow of one engine step::
+
+    Scheduler.schedule() -> SchedulerOutput -> Backend.execute() -> StepResult
+
+The backend keeps per-request sampling state (seeded generator, token counts
+for penalties) keyed by request id from the first step a request is scheduled
+until its id appears in ``SchedulerOutput.finished_request_ids``. Preemption
+does not end that state: a preempted request keeps its random stream, so a
+seeded request yields the same tokens whether or not it was preempted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from backends.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction.
+
+    ``max_tokens=None`` means "until the context is full". ``top_k`` of -1 or 0
+    disables top-k. ``logprobs`` is the number of top alternatives to return
+    beside the chosen token's logprob (0 returns only the chosen one); None
+    returns none.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        _check_finite(self.temperature, "temperature")
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be >= 0, got {self.temperature}", "temperature")
+        _check_finite(self.top_p, "top_p")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise InvalidRequestError(
+                f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}",
+                "top_k")
+        _check_finite(self.min_p, "min_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_finite(value, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        _check_finite(self.repetition_penalty, "repetition_penalty")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                "repetition_penalty")
+        for token_id, bias in self.logit_bias:
+            _check_finite(bias, "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}",
+                    "logit_bias")
+        if self.min_tokens < 0:
+            raise InvalidRequestError(
+                f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                "min_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError(
+                f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def uses_top_k_top_p(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def _check_finite(value: float, param: str) -> None:
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{param} must be a finite number, got {value}", param)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    ``token_ids`` are the tokens whose K/V this step computes, at positions
+    ``start_pos .. start_pos + len(token_ids) - 1``. ``block_table`` covers at
+    least ``start_pos + len(token_ids)`` tokens. When ``sample`` is true the
+    chunk reaches the end of the known tokens and the backend samples one new
+    token from the last position. ``prompt_token_ids`` is set only on the
+    first step this request is ever scheduled (the backend keeps it for the
+    repetition penalty).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the backend needs for one step; no references to Request."""
+
+    requests: list[ScheduledRequest]
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the chosen token and of the top alternatives (raw model
+    distribution, before penalties and temperature)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Seconds spent in each part of a step, measured on the host."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    emit: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.emit
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Sampled tokens, one per scheduled request with ``sample=True``, in the
+    order those requests appear in the SchedulerOutput."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    timings: StepTimings
+
+
+class Backend(Protocol):
+    """An execution backend: owns weights, the KV tensors and the sampler."""
+
+    num_kv_blocks: int
+    block_size: int
+
+    def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
+        """Run one forward pass over the scheduled tokens and sample."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release device memory."""
+        ...

@@ -1,0 +1,313 @@
+"""The torch backend: one code path for CPU and CUDA, float32 / bfloat16 / float16.
+
+It owns the model weights, the paged KV tensors (one K and one V tensor per
+layer, ``[num_blocks * block_size, kv_heads, head_dim]``) and the per-request
+sampling state. ``execute`` turns a SchedulerOutput into tensors, runs one
+forward pass over the flattened batch and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backends.attention import AttentionMetadata, PrefillSegment
+from backends.config import LoadedModel, ModelConfig
+from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
+                                StepResult, StepTimings, TokenLogprobs)
+from backends.models.decoder import DecoderLM
+from backends.sampler import PenaltyInputs, SamplingBatch, sample
+
+log = logging.getLogger("baton.backend")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+CUDA_KV_FRACTION = 0.9  # of the memory left after the weights
+
+
+@dataclass(slots=True)
+class _RequestState:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+class TorchBackend:
+    def __init__(self, loaded: LoadedModel, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, block_size: int = 16,
+                 kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
+                 max_positions: int | None = None, seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.config = loaded.config
+        self.block_size = block_size
+        self.eos_token_ids = tuple(loaded.generation.eos_token_ids)
+
+        with torch.device("meta"):
+            self.model = DecoderLM(self.config)
+        self.model.load_weights(loaded.weights, self.device, dtype)
+        self.model.eval()
+
+        self.num_kv_blocks = num_kv_blocks or self._blocks_for_budget(kv_cache_bytes)
+        num_slots = self.num_kv_blocks * block_size
+        shape = (num_slots, self.config.num_kv_heads, self.config.head_dim)
+        # Zeroed, not empty: padded attention reads masked slots, and garbage
+        # NaNs there would survive a zero attention weight (0 * nan = nan).
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.config.num_layers)]
+        positions = max_positions or self.config.max_position_embeddings
+        from backends.rope import rope_table
+        self.cos_table, self.sin_table = rope_table(self.config, positions, dtype, self.device)
+
+        self._states: dict[str, _RequestState] = {}
+        self._shared_generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._shared_generator.seed()
+        else:
+            self._shared_generator.manual_seed(seed)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def _blocks_for_budget(self, kv_cache_bytes: int | None) -> int:
+        per_block = kv_bytes_per_token(self.config, self.dtype) * self.block_size
+        if kv_cache_bytes is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                kv_cache_bytes = int(free * CUDA_KV_FRACTION)
+            else:
+                kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+        blocks = kv_cache_bytes // per_block
+        if blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {kv_cache_bytes} bytes is below one block "
+                f"({per_block} bytes)")
+        return int(blocks)
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self._states.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
+        timings = StepTimings()
+        t0 = time.perf_counter()
+        for request_id in scheduler_output.finished_request_ids:
+            self._states.pop(request_id, None)
+        for scheduled in scheduler_output.requests:
+            if scheduled.request_id not in self._states:
+                self._states[scheduled.request_id] = self._new_state(scheduled)
+        if scheduler_output.is_empty:
+            return StepResult([], [], [], timings)
+
+        # Single-token rows (decodes) first: they share one attention call.
+        rows = sorted(scheduler_output.requests, key=lambda r: len(r.token_ids) != 1)
+        input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows)
+        batch = self._sampling_batch(sample_rows)
+        t1 = time.perf_counter()
+        timings.prepare = t1 - t0
+
+        hidden = self.model(input_ids, positions, self.cos_table, self.sin_table,
+                            self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[logits_index])
+        t2 = time.perf_counter()
+        timings.forward = t2 - t1
+
+        out = sample(logits, batch)
+        token_ids = out.token_ids.tolist()
+        logprobs = self._logprobs_lists(out, sample_rows)
+        for scheduled, token_id in zip(sample_rows, token_ids):
+            state = self._states[scheduled.request_id]
+            if state.params.uses_penalties:
+                state.output_token_ids.append(token_id)
+        timings.sample = time.perf_counter() - t2
+        return StepResult([r.request_id for r in sample_rows], token_ids, logprobs, timings)
+
+    def _new_state(self, scheduled: ScheduledRequest) -> _RequestState:
+        params = scheduled.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        prompt = (scheduled.prompt_token_ids or []) if params.uses_penalties else []
+        return _RequestState(params, generator, list(prompt))
+
+    def _prepare(self, rows: list[ScheduledRequest]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[ScheduledRequest] = []
+        prefill_rows: list[tuple[int, ScheduledRequest]] = []
+        sample_rows: list[ScheduledRequest] = []
+        logits_index: list[int] = []
+        for row in rows:
+            start = len(input_ids)
+            n = len(row.token_ids)
+            input_ids.extend(row.token_ids)
+            table = row.block_table
+            for pos in range(row.start_pos, row.start_pos + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_rows.append(row)
+            else:
+                prefill_rows.append((start, row))
+            if row.sample:
+                sample_rows.append(row)
+                logits_index.append(start + n - 1)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev),
+            num_decode=len(decode_rows), decode_slots=None, decode_mask=None,
+            prefills=[self._prefill_segment(start, row) for start, row in prefill_rows])
+        if decode_rows:
+            meta.decode_slots, meta.decode_mask = self._decode_gather(decode_rows)
+        return (torch.tensor(input_ids, dtype=torch.long).to(dev),
+                torch.tensor(positions, dtype=torch.long).to(dev), meta, sample_rows,
+                torch.tensor(logits_index, dtype=torch.long).to(dev))
+
+    def _context_slots(self, table: list[int], length: int) -> torch.Tensor:
+        pos = torch.arange(length)
+        blocks = torch.tensor(table, dtype=torch.long)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prefill_segment(self, start: int, row: ScheduledRequest) -> PrefillSegment:
+        n = len(row.token_ids)
+        ctx = row.start_pos + n
+        mask = None
+        if row.start_pos:
+            q_pos = torch.arange(row.start_pos, ctx).unsqueeze(1)
+            mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(self.device)
+        return PrefillSegment(start, start + n,
+                              self._context_slots(row.block_table, ctx).to(self.device), mask)
+
+    def _decode_gather(self, rows: list[ScheduledRequest]):
+        bs = self.block_size
+        lengths = torch.tensor([r.start_pos + 1 for r in rows], dtype=torch.long)
+        max_len = int(lengths.max())
+        max_blocks = -(-max_len // bs)
+        tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
+        for i, r in enumerate(rows):
+            used = r.block_table[:max_blocks]
+            tables[i, :len(used)] = torch.tensor(used, dtype=torch.long)
+        pos = torch.arange(max_len)
+        slots = tables[:, pos // bs] * bs + pos % bs
+        mask = (pos.unsqueeze(0) < lengths.unsqueeze(1)).view(len(rows), 1, 1, max_len)
+        return slots.to(self.device), mask.to(self.device)
+
+    # -------------------------------------------------------------- sampling
+    def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:
+        dev = self.device
+        vocab = self.config.vocab_size
+        params = [r.sampling_params for r in rows]
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                                   dtype=torch.float32).to(dev)
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).to(dev)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
+            if any(p.min_p > 0.0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev)
+
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
+        for i, (row, p) in enumerate(zip(rows, params)):
+            for token_id, value in p.logit_bias:
+                bias_rows.append(i)
+                bias_tokens.append(token_id)
+                bias_values.append(value)
+            if row.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stops.update(self.eos_token_ids)
+                banned_rows.extend([i] * len(stops))
+                banned_tokens.extend(stops)
+        bias = None
+        if bias_rows:
+            bias = (torch.tensor(bias_rows).to(dev), torch.tensor(bias_tokens).to(dev),
+                    torch.tensor(bias_values, dtype=torch.float32).to(dev))
+        banned = None
+        if banned_rows:
+            banned = (torch.tensor(banned_rows).to(dev), torch.tensor(banned_tokens).to(dev))
+
+        wants = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingBatch(
+            temperature=temperature,
+            greedy=None if all_greedy or not any(greedy) else torch.tensor(greedy).to(dev),
+            all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
+            penalties=self._penalty_inputs(rows, params),
+            bias=bias, banned=banned,
+            generators=[self._states[r.request_id].generator for r in rows],
+            shared_generator=self._shared_generator,
+            num_logprobs=max(wants) if wants else None)
+
+    def _penalty_inputs(self, rows: list[ScheduledRequest],
+                        params: list[SamplingParams]) -> PenaltyInputs | None:
+        index = [i for i, p in enumerate(params) if p.uses_penalties]
+        if not index:
+            return None
+        vocab = self.config.vocab_size
+        counts = torch.zeros(len(index), vocab + 1, dtype=torch.float32)
+        prompt_mask = torch.zeros(len(index), vocab + 1, dtype=torch.bool)
+        for j, i in enumerate(index):
+            state = self._states[rows[i].request_id]
+            if state.output_token_ids:
+                ids = torch.tensor(state.output_token_ids, dtype=torch.long)
+                counts[j].index_add_(0, ids, torch.ones(len(ids)))
+            if state.prompt_token_ids:
+                prompt_mask[j, torch.tensor(state.prompt_token_ids, dtype=torch.long)] = True
+        dev = self.device
+        sel = [params[i] for i in index]
+        return PenaltyInputs(
+            rows=torch.tensor(index).to(dev),
+            output_counts=counts[:, :vocab].to(dev),
+            prompt_mask=prompt_mask[:, :vocab].to(dev),
+            repetition=torch.tensor([p.repetition_penalty for p in sel]).to(dev),
+            frequency=torch.tensor([p.frequency_penalty for p in sel]).to(dev),
+            presence=torch.tensor([p.presence_penalty for p in sel]).to(dev))
+
+    @staticmethod
+    def _logprobs_lists(out, rows: list[ScheduledRequest]) -> list[TokenLogprobs | None]:
+        if out.token_logprobs is None:
+            return [None] * len(rows)
+        chosen = out.token_logprobs.tolist()
+        token_ids = out.token_ids.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result: list[TokenLogprobs | None] = []
+        for i, row in enumerate(rows):
+            n = row.sampling_params.logprobs
+            if n is None:
+                result.append(None)
+                continue
+            top = list(zip(top_ids[i][:n], top_values[i][:n])) if n and top_ids else []
+            result.append(TokenLogprobs(token_ids[i], chosen[i], top))
+        return result

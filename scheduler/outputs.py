@@ -1,0 +1,50 @@
+"""What the engine hands back to the service, and step statistics for telemetry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backends.interface import StepTimings, TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta: the tokens and text a request gained in one step.
+
+    The last output of a request has ``finished`` set and ``finish_reason``
+    one of stop, length, abort, timeout or error (``error`` then says why).
+    Concatenating every ``text`` gives the whole completion.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    # monotonic seconds, for latency attributes and metrics
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """One step, as telemetry sees it."""
+
+    num_running: int
+    num_waiting: int
+    num_scheduled: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_usage: float
+    timings: StepTimings = field(default_factory=StepTimings)
+    request_ids: list[str] = field(default_factory=list)

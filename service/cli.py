@@ -1,0 +1,108 @@
+"""The `baton` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+
+from backends.errors import BatonError
+
+
+def _env(name: str, default):
+    return os.environ.get(f"BATON_{name.upper()}", default)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=_env("model", None),
+                        help="Hugging Face model folder or .gguf file "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default=_env("dtype", "bfloat16"),
+                        choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=_env("device", "cpu"),
+                        help="cpu, cuda or cuda:N")
+    parser.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))
+    parser.add_argument("--kv-cache-memory", default=_env("kv_cache_memory", None),
+                        help="KV cache budget, e.g. 2GiB (default: 2GiB on CPU, "
+                             "the memory left after the weights on CUDA)")
+    parser.add_argument("--max-model-len", type=int,
+                        default=_int_or_none(_env("max_model_len", None)))
+    parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 32)))
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=int(_env("max_num_batched_tokens", 512)))
+
+
+def _int_or_none(value):
+    return None if value in (None, "") else int(value)
+
+
+def engine_args_from(ns: argparse.Namespace, **overrides):
+    from service.config import EngineArgs, parse_bytes
+    return EngineArgs(
+        model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size,
+        kv_cache_memory=parse_bytes(ns.kv_cache_memory) if ns.kv_cache_memory else None,
+        max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        progress=sys.stderr.isatty(), **overrides)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from backends.interface import SamplingParams
+    from service.chat_template import render_chat
+    from service.engine_factory import create_engine
+
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
+                            top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed)
+    core = create_engine(engine_args_from(ns, seed=ns.seed))
+    tok = core.tokenizer
+    if ns.chat:
+        text = render_chat(tok.chat_template, [{"role": "user", "content": ns.prompt}],
+                           bos_token=tok.spec.bos_token, eos_token=tok.spec.eos_token)
+        prompt_ids = tok.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tok.encode(ns.prompt)
+    core.add_request(uuid.uuid4().hex, prompt_ids, params)
+    reason = None
+    while core.has_unfinished():
+        for out in core.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            if out.finished:
+                reason = out.finish_reason
+    sys.stdout.write("\n")
+    logging.getLogger("baton").info("finished: %s", reason)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    add_engine_flags(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except BatonError as exc:
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""One typed configuration for building an engine, from CLI flags and BATON_* env."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
+          "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30,
+          "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648; '512MB' -> 512000000; '1000' -> 1000."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (try e.g. 2GiB or 512MiB)")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    model: str | None = None          # None: the embedded default
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | None = None   # bytes; None: backend default
+    num_kv_blocks: int | None = None     # overrides kv_cache_memory (tests)
+    max_model_len: int | None = None     # None: the model's own, capped by the KV pool
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    seed: int | None = None
+    progress: bool = False

@@ -1,0 +1,54 @@
+"""Build an EngineCore from EngineArgs: load, place, size the KV pool."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from backends.errors import ModelLoadError
+from backends.loader import load_model
+from backends.tokenizer import Tokenizer
+from backends.torch_backend import DTYPES, TorchBackend
+from scheduler.config import SchedulerConfig
+from scheduler.engine import EngineCore
+from service.config import EngineArgs
+
+log = logging.getLogger("baton")
+
+
+def create_engine(args: EngineArgs) -> EngineCore:
+    if args.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but no CUDA device is available")
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, dtype=DTYPES[args.dtype], progress=args.progress)
+    config = loaded.config
+    wanted_len = args.max_model_len or config.max_position_embeddings
+    backend = TorchBackend(
+        loaded, device=args.device, dtype=DTYPES[args.dtype], block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        max_positions=wanted_len, seed=args.seed)
+    loaded.weights.clear()
+    # A lone request must always fit the pool, or it could never finish.
+    max_model_len = min(wanted_len, backend.kv_capacity_tokens)
+    if max_model_len < wanted_len:
+        log.warning("max_model_len lowered from %d to %d to fit the KV cache",
+                    wanted_len, max_model_len)
+    tokenizer = Tokenizer(loaded.tokenizer)
+    eos = loaded.generation.eos_token_ids or (
+        (loaded.tokenizer.eos_token_id,) if loaded.tokenizer.eos_token_id is not None else ())
+    core = EngineCore(
+        backend, tokenizer,
+        SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=max_model_len),
+        vocab_size=config.vocab_size, eos_token_ids=tuple(eos), model_name=config.name)
+    log.info("model loaded: %s, %.1fM parameters, dtype %s, device %s, KV capacity %d tokens "
+             "(%d blocks of %d), max_model_len %d, %.1fs",
+             loaded.source or config.name, backend.num_parameters / 1e6, args.dtype,
+             args.device, backend.kv_capacity_tokens, backend.num_kv_blocks,
+             args.block_size, max_model_len, time.perf_counter() - t0)
+    return core
