@@ -1,0 +1,61 @@
+"""Helpers for driving an EngineCore to completion in tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backends.interface import SamplingParams
+from scheduler.engine import EngineCore
+from service.config import EngineArgs
+from service.engine_factory import create_engine
+
+
+@dataclass
+class Finished:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: object = None
+    num_prompt_tokens: int = 0
+
+
+def make_engine(model, **kwargs) -> EngineCore:
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("num_kv_blocks", 256)
+    kwargs.setdefault("seed", 1234)
+    return create_engine(EngineArgs(model=str(model) if model else None, **kwargs))
+
+
+def run_all(core: EngineCore, prompts: dict[str, list[int]] | None = None,
+            params: SamplingParams | dict[str, SamplingParams] | None = None,
+            max_steps: int = 10_000) -> dict[str, Finished]:
+    """Add the prompts (if any), step until every request is finished, and
+    check that every KV block came back."""
+    results: dict[str, Finished] = {}
+    for rid, ids in (prompts or {}).items():
+        p = params[rid] if isinstance(params, dict) else params
+        core.add_request(rid, ids, p or SamplingParams())
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            break
+        for out in core.step():
+            res = results.setdefault(out.request_id, Finished())
+            res.token_ids.extend(out.new_token_ids)
+            res.text += out.text
+            if out.logprobs:
+                res.logprobs.extend(out.logprobs)
+            res.num_prompt_tokens = out.num_prompt_tokens
+            if out.finished:
+                res.finish_reason = out.finish_reason
+                res.stop_reason = out.stop_reason
+    else:
+        raise AssertionError("engine did not finish within max_steps")
+    assert_all_free(core)
+    return results
+
+
+def assert_all_free(core: EngineCore) -> None:
+    core.check_integrity()
+    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks, "KV blocks leaked"
+    assert not core.scheduler.running and not core.scheduler.waiting

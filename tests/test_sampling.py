@@ -1,0 +1,234 @@
+"""Sampling through the engine on a tiny model: per-row parameters never leak,
+seeds reproduce alone and in a crowd, and each control does what it says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.errors import ContextLengthExceededError, InvalidRequestError
+from backends.interface import SamplingParams
+from tests.engine_helpers import assert_all_free, make_engine, run_all
+
+PROMPT = [5, 17, 99, 230, 41, 8, 77]
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama_dir):
+    return make_engine(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def _next_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_params_do_not_leak_between_rows(core):
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
+    alone = run_all(core, {"g": PROMPT, "s": PROMPT[:4]}, {"g": greedy, "s": seeded})
+    crowd_params = {
+        "g": greedy, "s": seeded,
+        "hot": SamplingParams(temperature=2.5, max_tokens=10, ignore_eos=True),
+        "topk": SamplingParams(temperature=1.0, top_k=3, max_tokens=7, ignore_eos=True),
+        "topp": SamplingParams(temperature=0.7, top_p=0.5, min_p=0.1, max_tokens=4,
+                               ignore_eos=True),
+        "pen": SamplingParams(temperature=1.0, presence_penalty=1.0, frequency_penalty=1.0,
+                              repetition_penalty=1.5, max_tokens=3, ignore_eos=True),
+        "bias": SamplingParams(temperature=0.0, logit_bias=((PROMPT[0], 100.0),),
+                               max_tokens=5, ignore_eos=True),
+    }
+    crowd_prompts = {"g": PROMPT, "s": PROMPT[:4], "hot": PROMPT[::-1], "topk": PROMPT[2:],
+                     "topp": PROMPT * 2, "pen": PROMPT[:3], "bias": PROMPT[1:]}
+    crowd = run_all(core, crowd_prompts, crowd_params)
+    assert crowd["g"].token_ids == alone["g"].token_ids
+    assert crowd["s"].token_ids == alone["s"].token_ids
+    assert crowd["bias"].token_ids == [PROMPT[0]] * 5
+    # requests finished mid-batch at their own lengths
+    assert [len(crowd[k].token_ids) for k in ("topp", "pen", "topk")] == [4, 3, 7]
+
+
+def test_seed_reproducible_and_seeds_differ(core):
+    def run(seed, rid):
+        p = SamplingParams(temperature=1.2, seed=seed, max_tokens=16, ignore_eos=True)
+        return run_all(core, {rid: PROMPT}, p)[rid].token_ids
+    assert run(7, "a") == run(7, "b")
+    assert run(7, "c") != run(8, "d")
+
+
+def test_top_k_one_is_greedy(core):
+    greedy = run_all(core, {"a": PROMPT}, SamplingParams(temperature=0.0, max_tokens=8,
+                                                         ignore_eos=True))["a"]
+    topk1 = run_all(core, {"b": PROMPT}, SamplingParams(temperature=1.5, top_k=1, max_tokens=8,
+                                                        ignore_eos=True))["b"]
+    assert greedy.token_ids == topk1.token_ids
+
+
+def _first_token_counts(core, params: SamplingParams, n: int) -> torch.Tensor:
+    prompts = {f"r{i}": PROMPT for i in range(n)}
+    results = run_all(core, prompts, params)
+    counts = torch.zeros(core.vocab_size)
+    for r in results.values():
+        counts[r.token_ids[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampled_distribution_matches_softmax(core, hf_model, temperature):
+    n = 1500
+    counts = _first_token_counts(core, SamplingParams(temperature=temperature, max_tokens=1), n)
+    probs = torch.softmax(_next_logits(hf_model, PROMPT) / temperature, -1)
+    # Each of the likeliest tokens' frequency within 4.5 binomial standard
+    # deviations of its probability (a wrong temperature or a biased race
+    # moves the head of the distribution by far more).
+    for token in probs.argsort(descending=True)[:8].tolist():
+        p = probs[token].item()
+        sigma = (p * (1 - p) / n) ** 0.5
+        assert abs(counts[token].item() / n - p) < 4.5 * sigma + 1 / n, (token, p)
+
+
+def test_top_k_top_p_min_p_restrict_support(core, hf_model):
+    logits = _next_logits(hf_model, PROMPT)
+    probs = torch.softmax(logits, -1)
+    order = probs.argsort(descending=True)
+    k = 4
+    counts = _first_token_counts(core, SamplingParams(temperature=1.0, top_k=k, max_tokens=1),
+                                 300)
+    assert set(counts.nonzero().flatten().tolist()) <= set(order[:k].tolist())
+    # nucleus: the smallest prefix whose mass reaches top_p
+    top_p = 0.5
+    cum = probs[order].cumsum(0)
+    nucleus = order[:int((cum < top_p).sum()) + 1].tolist()
+    counts = _first_token_counts(core, SamplingParams(temperature=1.0, top_p=top_p,
+                                                      max_tokens=1), 300)
+    assert set(counts.nonzero().flatten().tolist()) <= set(nucleus)
+    min_p = 0.3
+    allowed = (probs >= min_p * probs.max()).nonzero().flatten().tolist()
+    counts = _first_token_counts(core, SamplingParams(temperature=1.0, min_p=min_p,
+                                                      max_tokens=1), 300)
+    assert set(counts.nonzero().flatten().tolist()) <= set(allowed)
+
+
+def test_penalties_match_reference_formula(core, hf_model):
+    # A bias on one token, so bias and penalties are applied in the right order.
+    favourite = 300
+    bias = ((favourite, 6.0),)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias=bias,
+                            presence_penalty=0.8, frequency_penalty=1.5,
+                            repetition_penalty=1.4)
+    got = run_all(core, {"a": PROMPT}, params)["a"].token_ids
+    ids = list(PROMPT)
+    expected = []
+    for _ in range(10):
+        logits = _next_logits(hf_model, ids)
+        logits[favourite] += 6.0
+        counts = torch.zeros_like(logits)
+        for t in expected:
+            counts[t] += 1
+        seen = counts > 0
+        seen[torch.tensor(PROMPT)] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / 1.4, logits * 1.4), logits)
+        logits = logits - 1.5 * counts - 0.8 * (counts > 0).float()
+        token = int(logits.argmax())
+        expected.append(token)
+        ids.append(token)
+    plain = run_all(core, {"b": PROMPT}, SamplingParams(temperature=0.0, max_tokens=10,
+                                                        ignore_eos=True,
+                                                        logit_bias=bias))["b"].token_ids
+    assert got == expected
+    assert got != plain
+    assert len(set(got)) > len(set(plain))  # penalties make repeats rarer
+
+
+def test_min_tokens_holds_back_eos(core):
+    eos = 2  # the tiny models' <|im_end|>
+    push_eos = ((eos, 100.0),)
+    res = run_all(core, {"a": PROMPT}, SamplingParams(temperature=0.0, logit_bias=push_eos,
+                                                      min_tokens=5, max_tokens=20))["a"]
+    assert len(res.token_ids) == 6 and eos not in res.token_ids[:5]
+    assert res.token_ids[5] == eos and res.finish_reason == "stop"
+    res = run_all(core, {"b": PROMPT}, SamplingParams(temperature=0.0, logit_bias=push_eos,
+                                                      max_tokens=20))["b"]
+    assert res.token_ids == [eos] and res.finish_reason == "stop"
+    res = run_all(core, {"c": PROMPT}, SamplingParams(temperature=0.0, logit_bias=push_eos,
+                                                      ignore_eos=True, max_tokens=4))["c"]
+    assert res.token_ids == [eos] * 4 and res.finish_reason == "length"
+
+
+def test_stop_token_ids_and_stop_strings(core):
+    base = run_all(core, {"a": PROMPT}, SamplingParams(temperature=0.0, max_tokens=24,
+                                                       ignore_eos=True))["a"]
+    stop_id = base.token_ids[3]
+    first = base.token_ids.index(stop_id)
+    res = run_all(core, {"b": PROMPT}, SamplingParams(temperature=0.0, max_tokens=24,
+                                                      stop_token_ids=(stop_id,),
+                                                      ignore_eos=True))["b"]
+    assert res.token_ids == base.token_ids[:first + 1]
+    assert res.finish_reason == "stop" and res.stop_reason == stop_id
+
+    text = base.text
+    assert len(text) > 12, text
+    stop = text[6:9]
+    cut = text.index(stop)
+    res = run_all(core, {"c": PROMPT}, SamplingParams(temperature=0.0, max_tokens=24,
+                                                      stop=(stop, "\u2603never"),
+                                                      ignore_eos=True))["c"]
+    assert res.text == text[:cut]
+    assert res.finish_reason == "stop" and res.stop_reason == stop
+    assert res.token_ids == base.token_ids[:len(res.token_ids)]
+
+
+def test_max_tokens_none_runs_to_context_length(tiny_llama_dir):
+    core = make_engine(tiny_llama_dir, max_model_len=24)
+    res = run_all(core, {"a": PROMPT}, SamplingParams(temperature=0.0, max_tokens=None,
+                                                      ignore_eos=True))["a"]
+    assert len(res.token_ids) == 24 - len(PROMPT) and res.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(logprobs=50), "logprobs"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_bad_sampling_params_are_typed_errors(kwargs, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_bad_requests_rejected_before_any_compute(tiny_llama_dir, monkeypatch):
+    core = make_engine(tiny_llama_dir, max_model_len=64)
+    calls = []
+    monkeypatch.setattr(core.backend, "execute", lambda out: calls.append(out))
+    ok = SamplingParams(max_tokens=4)
+    with pytest.raises(ContextLengthExceededError) as info:
+        core.add_request("long", [5] * 64, ok)
+    assert "64" in str(info.value)
+    with pytest.raises(ContextLengthExceededError):
+        core.add_request("long2", [5] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequestError) as info:
+        core.add_request("empty", [], ok)
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError):
+        core.add_request("oov", [5, 100_000], ok)
+    with pytest.raises(InvalidRequestError) as info:
+        core.add_request("bias", [5], SamplingParams(logit_bias=((100_000, 1.0),)))
+    assert info.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError):
+        core.add_request("stopid", [5], SamplingParams(stop_token_ids=(-1,)))
+    assert not core.has_unfinished() and calls == []
+    assert_all_free(core)
