@@ -72,17 +72,38 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None,
+                    queue: asyncio.Queue[RequestOutput] | None = None) -> str:
         """Validate and queue now (raising typed errors at once); returns the
-        request id to pass to ``stream``."""
+        request id to pass to ``stream``. Requests given the same ``queue``
+        can be consumed together with ``stream_group``."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids = self.core.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         self.core.add_request(request_id, token_ids, params)
-        self._queues[request_id] = asyncio.Queue()
+        self._queues[request_id] = queue if queue is not None else asyncio.Queue()
         self._work.set()
         return request_id
+
+    async def stream_group(self, request_ids: list[str]) -> AsyncIterator[RequestOutput]:
+        """Interleaved deltas of requests that share one queue, until all have
+        finished. Leaving early aborts the unfinished ones."""
+        if not request_ids:
+            return
+        queue = self._queues[request_ids[0]]
+        unfinished = set(request_ids)
+        try:
+            while unfinished:
+                output = await queue.get()
+                if output.finished:
+                    unfinished.discard(output.request_id)
+                yield output
+        finally:
+            for request_id in unfinished:
+                self.abort(request_id)
+            for request_id in request_ids:
+                self._queues.pop(request_id, None)
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Deltas of one request until its final output. Leaving early (break,
