@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from backends.config import GenerationDefaults
 from backends.errors import ContextLengthExceededError, InvalidRequestError
 from backends.interface import Backend, SamplingParams, SchedulerOutput, StepResult
 from backends.tokenizer import Tokenizer
@@ -24,9 +25,11 @@ from scheduler.scheduler import Scheduler
 class EngineCore:
     def __init__(self, backend: Backend, tokenizer: Tokenizer, config: SchedulerConfig,
                  *, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 model_name: str = "model") -> None:
+                 model_name: str = "model",
+                 generation: GenerationDefaults | None = None) -> None:
         self.backend = backend
         self.model_name = model_name
+        self.generation = generation or GenerationDefaults(eos_token_ids=tuple(eos_token_ids))
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = vocab_size

@@ -78,6 +78,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute (admission control)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

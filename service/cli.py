@@ -76,6 +76,23 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _float_or_none(value):
+    return None if value in (None, "", "0", 0) else float(value)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from service.config import ServerConfig, parse_bytes
+    from service.serve import run_server
+
+    config = ServerConfig(
+        host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
+        api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
+        max_waiting_tokens=ns.max_waiting_tokens,
+        request_timeout=_float_or_none(ns.request_timeout), drain_timeout=ns.drain_timeout,
+        max_body_bytes=parse_bytes(ns.max_body_size))
+    return run_server(engine_args_from(ns, seed=ns.seed), config)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_flags(srv)
+    srv.add_argument("--host", default=_env("host", "127.0.0.1"))
+    srv.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    srv.add_argument("--served-model-name", default=_env("served_model_name", None),
+                     help="model id clients use (default: the model's own name)")
+    srv.add_argument("--api-key", default=_env("api_key", None),
+                     help="require Authorization: Bearer KEY on /v1 routes")
+    srv.add_argument("--max-waiting-requests", type=int,
+                     default=int(_env("max_waiting_requests", 256)),
+                     help="requests beyond this many waiting get 429")
+    srv.add_argument("--max-waiting-tokens", type=int,
+                     default=int(_env("max_waiting_tokens", 262144)),
+                     help="prompt tokens beyond this many waiting get 429")
+    srv.add_argument("--request-timeout", default=_env("request_timeout", None),
+                     help="seconds; a request past it ends with what it has")
+    srv.add_argument("--drain-timeout", type=float, default=float(_env("drain_timeout", 30)),
+                     help="seconds to let in-flight requests finish on SIGTERM")
+    srv.add_argument("--max-body-size", default=_env("max_body_size", "8MiB"))
+    srv.add_argument("--seed", type=int, default=_int_or_none(_env("seed", None)))
+    srv.set_defaults(func=cmd_serve)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -34,3 +34,17 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     seed: int | None = None
     progress: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None   # None: the model's own name
+    api_key: str | None = None
+    max_waiting_requests: int = 256
+    max_waiting_tokens: int = 262_144
+    request_timeout: float | None = None   # seconds; None: no limit
+    drain_timeout: float = 30.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    stall_timeout: float = 60.0             # /health fails when a busy loop makes no step this long

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import torch
 
 from backends.errors import ModelLoadError
-from backends.loader import load_model
+from backends.loader import load_model, resolve_model_path
 from backends.tokenizer import Tokenizer
 from backends.torch_backend import DTYPES, TorchBackend
 from scheduler.config import SchedulerConfig
@@ -16,6 +17,18 @@ from scheduler.engine import EngineCore
 from service.config import EngineArgs
 
 log = logging.getLogger("baton")
+
+
+_QUANT_SUFFIX = re.compile(r"[.-](?:[QqIi][QqKk]?\d[\w]*|[Ff](?:16|32)|[Bb][Ff]16)$")
+
+
+def model_name_for(model: str | None) -> str:
+    """The id clients see: the folder name, or the GGUF file name without its
+    quantization tag (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return path.resolve().name
+    return _QUANT_SUFFIX.sub("", path.stem)
 
 
 def create_engine(args: EngineArgs) -> EngineCore:
@@ -45,7 +58,9 @@ def create_engine(args: EngineArgs) -> EngineCore:
         SchedulerConfig(max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=max_model_len),
-        vocab_size=config.vocab_size, eos_token_ids=tuple(eos), model_name=config.name)
+        vocab_size=config.vocab_size, eos_token_ids=tuple(eos),
+        model_name=model_name_for(args.model),
+        generation=loaded.generation)
     log.info("model loaded: %s, %.1fM parameters, dtype %s, device %s, KV capacity %d tokens "
              "(%d blocks of %d), max_model_len %d, %.1fs",
              loaded.source or config.name, backend.num_parameters / 1e6, args.dtype,

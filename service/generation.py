@@ -1,0 +1,240 @@
+"""Completions and chat completions: run a prepared request on the engine and
+answer it as one JSON body or as a server-sent event stream."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+from aiohttp import web
+
+from backends.errors import BatonError, InvalidRequestError
+from backends.interface import TokenLogprobs
+from scheduler.async_engine import AsyncEngine
+from scheduler.outputs import RequestOutput
+from scheduler.request import FinishReason
+from service.http_errors import APIError, from_invalid_request
+from service.openai_requests import PreparedRequest
+from service.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                              ChatCompletionResponse, ChatDelta, ChatLogprobs,
+                              ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
+                              CompletionChunk, CompletionLogprobs, CompletionResponse,
+                              ErrorBody, ErrorResponse, TopLogprob, Usage)
+
+_encoder = msgspec.json.Encoder()
+
+
+def client_finish_reason(reason: str | None) -> str | None:
+    # OpenAI clients know stop and length; a request cut by its time limit
+    # ends with what it has, which is what "length" tells them.
+    return "length" if reason == FinishReason.TIMEOUT.value else reason
+
+
+@dataclass(slots=True)
+class Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+
+class GenerationRun:
+    """The engine requests behind one HTTP request (prompts x n choices)."""
+
+    def __init__(self, engine: AsyncEngine, prepared: PreparedRequest, model: str,
+                 timeout: float | None) -> None:
+        self.engine = engine
+        self.prepared = prepared
+        self.model = model
+        self.timeout = timeout
+        prefix = "chatcmpl" if prepared.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.request_ids: list[str] = []
+        self.index_of: dict[str, int] = {}
+
+    def start(self) -> None:
+        """Queue every choice; all or nothing, so a bad prompt leaves nothing behind."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        p = self.prepared
+        try:
+            for i, prompt in enumerate(p.prompts):
+                for j in range(p.n):
+                    params = p.params
+                    if p.n > 1 and params.seed is not None:
+                        # n seeded choices: reproducible, yet not n copies.
+                        params = dataclasses.replace(params, seed=params.seed + j)
+                    rid = f"{self.id}-{i * p.n + j}"
+                    self.engine.add_request(prompt, params, rid, queue)
+                    self.request_ids.append(rid)
+                    self.index_of[rid] = i * p.n + j
+        except BaseException:
+            for rid in self.request_ids:
+                self.engine.abort(rid)
+            raise
+
+    async def outputs(self):
+        """(choice index, RequestOutput) until every choice has finished; on
+        the time limit, unfinished choices end with what they have."""
+        stream = self.engine.stream_group(self.request_ids)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                try:
+                    out = await asyncio.wait_for(anext(stream), remaining) \
+                        if remaining is not None else await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    for rid in self.request_ids:
+                        self.engine.abort(rid, FinishReason.TIMEOUT)
+                    deadline = None
+                    continue
+                yield self.index_of[out.request_id], out
+        finally:
+            await stream.aclose()
+
+
+# ------------------------------------------------------------------ logprobs
+
+def _token_text(engine: AsyncEngine, token_id: int) -> str:
+    return engine.core.tokenizer.token_bytes_text(token_id)
+
+
+def completion_logprobs(engine: AsyncEngine, entries: list[TokenLogprobs],
+                        offset: int) -> CompletionLogprobs:
+    tokens, values, tops, offsets = [], [], [], []
+    for entry in entries:
+        text = _token_text(engine, entry.token_id)
+        tokens.append(text)
+        values.append(entry.logprob)
+        tops.append({_token_text(engine, t): v for t, v in entry.top} if entry.top else None)
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(tokens, values, tops, offsets)
+
+
+def chat_logprobs(engine: AsyncEngine, entries: list[TokenLogprobs]) -> ChatLogprobs:
+    content = []
+    for entry in entries:
+        text = _token_text(engine, entry.token_id)
+        top = [TopLogprob(_token_text(engine, t), v, list(_token_text(engine, t).encode()))
+               for t, v in entry.top]
+        content.append(ChatTokenLogprob(text, entry.logprob, list(text.encode()), top))
+    return ChatLogprobs(content)
+
+
+# ------------------------------------------------------------ non-streaming
+
+async def respond_whole(run: GenerationRun) -> web.Response:
+    p = run.prepared
+    choices = [Choice() for _ in range(len(p.prompts) * p.n)]
+    async for index, out in run.outputs():
+        c = choices[index]
+        c.text += out.text
+        c.token_ids.extend(out.new_token_ids)
+        if out.logprobs:
+            c.logprobs.extend(out.logprobs)
+        c.num_prompt_tokens = out.num_prompt_tokens
+        if out.finished:
+            c.finish_reason = out.finish_reason
+            c.error = out.error
+    failed = next((c for c in choices if c.finish_reason == FinishReason.ERROR.value), None)
+    if failed is not None:
+        raise APIError(500, failed.error or "engine fault", error_type="internal_error")
+    prompt_tokens = sum(choices[i * p.n].num_prompt_tokens for i in range(len(p.prompts)))
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    if p.kind == "chat":
+        body = ChatCompletionResponse(run.id, run.created, run.model, [
+            ChatChoice(i, ChatResponseMessage("assistant", c.text),
+                       chat_logprobs(run.engine, c.logprobs) if p.num_logprobs is not None
+                       else None, client_finish_reason(c.finish_reason))
+            for i, c in enumerate(choices)], usage)
+    else:
+        out_choices = []
+        for i, c in enumerate(choices):
+            prefix = p.prompt_texts[i // p.n] if p.echo else ""
+            logprobs = None
+            if p.num_logprobs is not None:
+                logprobs = completion_logprobs(run.engine, c.logprobs, len(prefix))
+            out_choices.append(CompletionChoice(i, prefix + c.text, logprobs,
+                                                client_finish_reason(c.finish_reason)))
+        body = CompletionResponse(run.id, run.created, run.model, out_choices, usage)
+    return web.Response(body=_encoder.encode(body), content_type="application/json")
+
+
+# ---------------------------------------------------------------- streaming
+
+async def _send(resp: web.StreamResponse, payload) -> None:
+    await resp.write(b"data: " + _encoder.encode(payload) + b"\n\n")
+
+
+async def respond_stream(run: GenerationRun, request: web.Request) -> web.StreamResponse:
+    p = run.prepared
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    num_choices = len(p.prompts) * p.n
+    chat = p.kind == "chat"
+    offsets = [len(p.prompt_texts[i // p.n]) if p.echo else 0 for i in range(num_choices)]
+    prompt_tokens = [0] * num_choices
+    completion_tokens = 0
+    if chat:
+        for i in range(num_choices):
+            await _send(resp, ChatCompletionChunk(run.id, run.created, run.model, [
+                ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
+    elif p.echo:
+        for i in range(num_choices):
+            await _send(resp, CompletionChunk(run.id, run.created, run.model, [
+                CompletionChoice(i, p.prompt_texts[i // p.n], None, None)]))
+    async for index, out in run.outputs():
+        prompt_tokens[index] = out.num_prompt_tokens
+        completion_tokens += len(out.new_token_ids)
+        if out.finish_reason == FinishReason.ERROR.value:
+            await _send(resp, ErrorResponse(ErrorBody(out.error or "engine fault",
+                                                      "internal_error", None, None)))
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if not out.text and not out.finished and not (out.logprobs and p.num_logprobs is not None):
+            continue  # a token that completes no character yet
+        finish = client_finish_reason(out.finish_reason) if out.finished else None
+        if chat:
+            logprobs = chat_logprobs(run.engine, out.logprobs) \
+                if p.num_logprobs is not None and out.logprobs else None
+            chunk = ChatCompletionChunk(run.id, run.created, run.model, [
+                ChatChunkChoice(index, ChatDelta(content=out.text), logprobs, finish)])
+        else:
+            logprobs = completion_logprobs(run.engine, out.logprobs, offsets[index]) \
+                if p.num_logprobs is not None and out.logprobs else None
+            offsets[index] += len(out.text)
+            chunk = CompletionChunk(run.id, run.created, run.model, [
+                CompletionChoice(index, out.text, logprobs, finish)])
+        await _send(resp, chunk)
+    if p.include_usage:
+        total_prompt = sum(prompt_tokens[i * p.n] for i in range(len(p.prompts)))
+        usage = Usage(total_prompt, completion_tokens, total_prompt + completion_tokens)
+        cls = ChatCompletionChunk if chat else CompletionChunk
+        await _send(resp, cls(run.id, run.created, run.model, [], usage))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def start_run(engine: AsyncEngine, prepared: PreparedRequest, model: str,
+              timeout: float | None) -> GenerationRun:
+    run = GenerationRun(engine, prepared, model, timeout)
+    try:
+        run.start()
+    except InvalidRequestError as exc:
+        raise from_invalid_request(exc) from exc
+    except BatonError as exc:
+        raise APIError(503, str(exc)) from exc
+    return run

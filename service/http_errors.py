@@ -1,0 +1,57 @@
+"""Errors as OpenAI's envelope: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from aiohttp import web
+
+from backends.errors import ContextLengthExceededError, InvalidRequestError
+from service.protocol import ErrorBody, ErrorResponse
+
+_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+    429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; rendered by the error middleware."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _ERROR_TYPES.get(status, "api_error")
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorBody(self.message, self.error_type, self.param, self.code))
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+                            content_type="application/json", headers=self.headers)
+
+
+def from_invalid_request(exc: InvalidRequestError) -> APIError:
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthExceededError) else None
+    return APIError(400, exc.message, param=exc.param, code=code)
+
+
+_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def from_decode_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> APIError:
+    """msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`"."""
+    text = str(exc)
+    match = _PATH.search(text)
+    param = match.group(1) if match else None
+    if isinstance(exc, msgspec.ValidationError):
+        return APIError(400, f"invalid request: {text}", param=param)
+    return APIError(400, f"the request body is not valid JSON: {text}")

@@ -1,0 +1,58 @@
+"""GET /openapi.json, generated from the msgspec request and response types."""
+
+from __future__ import annotations
+
+import functools
+
+import msgspec
+
+from service import protocol as p
+
+_JSON = "application/json"
+
+# (method, path, summary, request type, response type)
+_ROUTES = [
+    ("post", "/v1/completions", "Create a text completion (stream=true for SSE)",
+     p.CompletionRequest, p.CompletionResponse),
+    ("post", "/v1/chat/completions", "Create a chat completion (stream=true for SSE)",
+     p.ChatCompletionRequest, p.ChatCompletionResponse),
+    ("get", "/v1/models", "List the served model", None, p.ModelList),
+    ("post", "/tokenize", "Text or messages to token ids", p.TokenizeRequest,
+     p.TokenizeResponse),
+    ("post", "/detokenize", "Token ids to text", p.DetokenizeRequest, p.DetokenizeResponse),
+    ("get", "/version", "Baton's version", None, p.VersionResponse),
+]
+_STREAM_CHUNKS = {"/v1/completions": p.CompletionChunk,
+                  "/v1/chat/completions": p.ChatCompletionChunk}
+
+
+@functools.lru_cache(maxsize=2)
+def openapi_document(version: str) -> bytes:
+    types = [t for _, _, _, req, resp in _ROUTES for t in (req, resp) if t is not None]
+    types += [p.ErrorResponse, *_STREAM_CHUNKS.values()]
+    schemas, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}")
+    refs = dict(zip(types, schemas))
+    error = {"description": "an error in OpenAI's envelope",
+             "content": {_JSON: {"schema": refs[p.ErrorResponse]}}}
+    paths: dict = {}
+    for method, path, summary, req, resp in _ROUTES:
+        content = {_JSON: {"schema": refs[resp]}}
+        if path in _STREAM_CHUNKS:
+            content["text/event-stream"] = {"schema": refs[_STREAM_CHUNKS[path]]}
+        op = {"summary": summary,
+              "responses": {"200": {"description": "success", "content": content},
+                            "default": error}}
+        if req is not None:
+            op["requestBody"] = {"required": True,
+                                 "content": {_JSON: {"schema": refs[req]}}}
+        paths.setdefault(path, {})[method] = op
+    paths["/health"] = {"get": {"summary": "200 while the engine loop makes progress",
+                                "responses": {"200": {"description": "healthy"},
+                                              "503": {"description": "loading, draining "
+                                                                     "or stalled"}}}}
+    doc = {"openapi": "3.1.0",
+           "info": {"title": "Baton", "version": version,
+                    "description": "OpenAI-compatible LLM inference server"},
+           "paths": paths, "components": {"schemas": components}}
+    return msgspec.json.encode(doc)
