@@ -48,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -94,6 +95,10 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(
                 f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(
+                f"prompt logprobs must be between 0 and 20, got {self.prompt_logprobs}",
+                "logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
 
@@ -190,6 +195,9 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     timings: StepTimings
+    # Logprobs of prompt tokens 1.. (each given the tokens before it), for
+    # requests that asked; a long prompt's entries arrive chunk by chunk.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class Backend(Protocol):

@@ -34,6 +34,9 @@ class _RequestState:
     generator: torch.Generator | None
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt positions whose next-token logprob was already returned; a
+    # request recomputed after preemption must not return them twice.
+    prompt_logprobs_done: int = 0
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -129,6 +132,7 @@ class TorchBackend:
         hidden = self.model(input_ids, positions, self.cos_table, self.sin_table,
                             self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[logits_index])
+        prompt_logprobs = self._prompt_logprobs(rows, hidden)
         t2 = time.perf_counter()
         timings.forward = t2 - t1
 
@@ -140,7 +144,36 @@ class TorchBackend:
             if state.params.uses_penalties:
                 state.output_token_ids.append(token_id)
         timings.sample = time.perf_counter() - t2
-        return StepResult([r.request_id for r in sample_rows], token_ids, logprobs, timings)
+        return StepResult([r.request_id for r in sample_rows], token_ids, logprobs, timings,
+                          prompt_logprobs)
+
+    def _prompt_logprobs(self, rows: list[ScheduledRequest],
+                         hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """Next-token logprobs at the prompt positions this step computed."""
+        result: dict[str, list[TokenLogprobs]] = {}
+        start = 0
+        for row in rows:
+            n = len(row.token_ids)
+            state = self._states[row.request_id]
+            top_n = state.params.prompt_logprobs
+            first = max(row.start_pos, state.prompt_logprobs_done)
+            last = min(row.start_pos + n, len(state.prompt_token_ids) - 1)
+            if top_n is not None and first < last:
+                rows_index = torch.arange(start + first - row.start_pos,
+                                          start + last - row.start_pos, device=self.device)
+                lp = torch.log_softmax(self.model.compute_logits(hidden[rows_index]), dim=-1)
+                targets = state.prompt_token_ids[first + 1:last + 1]
+                chosen = lp.gather(1, torch.tensor(targets, device=self.device)[:, None])
+                top_v, top_i = (lp.topk(top_n, dim=-1) if top_n else (None, None))
+                chosen_l = chosen.squeeze(1).tolist()
+                top_vl = top_v.tolist() if top_v is not None else None
+                top_il = top_i.tolist() if top_i is not None else None
+                result[row.request_id] = [
+                    TokenLogprobs(t, c, list(zip(top_il[k], top_vl[k])) if top_il else [])
+                    for k, (t, c) in enumerate(zip(targets, chosen_l))]
+                state.prompt_logprobs_done = last
+            start += n
+        return result
 
     def _new_state(self, scheduled: ScheduledRequest) -> _RequestState:
         params = scheduled.sampling_params
@@ -148,7 +181,8 @@ class TorchBackend:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        prompt = (scheduled.prompt_token_ids or []) if params.uses_penalties else []
+        keep = params.uses_penalties or params.prompt_logprobs is not None
+        prompt = (scheduled.prompt_token_ids or []) if keep else []
         return _RequestState(params, generator, list(prompt))
 
     def _prepare(self, rows: list[ScheduledRequest]):

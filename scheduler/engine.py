@@ -37,6 +37,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(backend.num_kv_blocks, backend.block_size)
         self.scheduler = Scheduler(config, self.kv_cache)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_logprobs: dict[str, list] = {}
         self.last_stats: SchedulerStats | None = None
         self._schedule_time = 0.0
 
@@ -115,6 +116,8 @@ class EngineCore:
     def postprocess(self, output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
+        for request_id, entries in result.prompt_logprobs.items():
+            self._prompt_logprobs.setdefault(request_id, []).extend(entries)
         for update in self.scheduler.update_from_output(output, result):
             request = update.request
             detok = self._detokenizers[request.request_id]
@@ -123,12 +126,14 @@ class EngineCore:
                 self.scheduler.finish_request(request.request_id, FinishReason.STOP,
                                               delta.stop_string)
             logprobs = [update.logprobs] if update.logprobs is not None else None
+            prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
             if request.is_finished:
                 text = delta.text if delta.stop_string is not None else delta.text + detok.flush()
                 outputs.append(self._final_output(request, [update.token_id], text, None,
                                                   logprobs))
             else:
                 outputs.append(self._output(request, [update.token_id], delta.text, logprobs))
+            outputs[-1].prompt_logprobs = prompt_logprobs
         result.timings.schedule = self._schedule_time
         result.timings.emit = time.perf_counter() - t0
         self.last_stats = self._stats(output, result)
@@ -155,6 +160,7 @@ class EngineCore:
     def _final_output(self, request: Request, new_ids: list[int], text: str,
                       error: str | None, logprobs=None) -> RequestOutput:
         self._detokenizers.pop(request.request_id, None)
+        self._prompt_logprobs.pop(request.request_id, None)
         out = self._output(request, new_ids, text, logprobs)
         out.finished = True
         out.finish_reason = request.finish_reason.value if request.finish_reason else None

@@ -24,6 +24,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprobs] | None = None
+    # On the first output only, when asked for: logprobs of prompt tokens 1..
+    prompt_logprobs: list[TokenLogprobs] | None = None
     stop_reason: int | str | None = None
     error: str | None = None
     # monotonic seconds, for latency attributes and metrics

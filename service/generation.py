@@ -39,6 +39,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     error: str | None = None
@@ -109,15 +110,29 @@ def _token_text(engine: AsyncEngine, token_id: int) -> str:
 
 
 def completion_logprobs(engine: AsyncEngine, entries: list[TokenLogprobs],
-                        offset: int) -> CompletionLogprobs:
+                        offset: int, echo_prompt: list[int] | None = None,
+                        prompt_entries: list[TokenLogprobs] | None = None
+                        ) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs. With ``echo_prompt`` the prompt's tokens come
+    first: the first has no logprob (nothing precedes it), the rest carry
+    ``prompt_entries``."""
     tokens, values, tops, offsets = [], [], [], []
-    for entry in entries:
-        text = _token_text(engine, entry.token_id)
+
+    def add(token_id: int, logprob: float | None, top) -> None:
+        nonlocal offset
+        text = _token_text(engine, token_id)
         tokens.append(text)
-        values.append(entry.logprob)
-        tops.append({_token_text(engine, t): v for t, v in entry.top} if entry.top else None)
+        values.append(logprob)
+        tops.append({_token_text(engine, t): v for t, v in top} if top else None)
         offsets.append(offset)
         offset += len(text)
+
+    if echo_prompt:
+        add(echo_prompt[0], None, None)
+        for entry in prompt_entries or []:
+            add(entry.token_id, entry.logprob, entry.top)
+    for entry in entries:
+        add(entry.token_id, entry.logprob, entry.top)
     return CompletionLogprobs(tokens, values, tops, offsets)
 
 
@@ -142,6 +157,8 @@ async def respond_whole(run: GenerationRun) -> web.Response:
         c.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             c.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         c.num_prompt_tokens = out.num_prompt_tokens
         if out.finished:
             c.finish_reason = out.finish_reason
@@ -164,7 +181,9 @@ async def respond_whole(run: GenerationRun) -> web.Response:
             prefix = p.prompt_texts[i // p.n] if p.echo else ""
             logprobs = None
             if p.num_logprobs is not None:
-                logprobs = completion_logprobs(run.engine, c.logprobs, len(prefix))
+                logprobs = completion_logprobs(
+                    run.engine, c.logprobs, 0,
+                    p.prompts[i // p.n] if p.echo else None, c.prompt_logprobs)
             out_choices.append(CompletionChoice(i, prefix + c.text, logprobs,
                                                 client_finish_reason(c.finish_reason)))
         body = CompletionResponse(run.id, run.created, run.model, out_choices, usage)
@@ -185,17 +204,14 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
     await resp.prepare(request)
     num_choices = len(p.prompts) * p.n
     chat = p.kind == "chat"
-    offsets = [len(p.prompt_texts[i // p.n]) if p.echo else 0 for i in range(num_choices)]
+    offsets = [0] * num_choices
+    echo_pending = [p.echo] * num_choices
     prompt_tokens = [0] * num_choices
     completion_tokens = 0
     if chat:
         for i in range(num_choices):
             await _send(resp, ChatCompletionChunk(run.id, run.created, run.model, [
                 ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
-    elif p.echo:
-        for i in range(num_choices):
-            await _send(resp, CompletionChunk(run.id, run.created, run.model, [
-                CompletionChoice(i, p.prompt_texts[i // p.n], None, None)]))
     async for index, out in run.outputs():
         prompt_tokens[index] = out.num_prompt_tokens
         completion_tokens += len(out.new_token_ids)
@@ -204,7 +220,8 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
                                                       "internal_error", None, None)))
             await resp.write(b"data: [DONE]\n\n")
             return resp
-        if not out.text and not out.finished and not (out.logprobs and p.num_logprobs is not None):
+        if (not out.text and not out.finished and p.num_logprobs is None
+                and not (p.echo and echo_pending[index])):
             continue  # a token that completes no character yet
         finish = client_finish_reason(out.finish_reason) if out.finished else None
         if chat:
@@ -213,11 +230,16 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
             chunk = ChatCompletionChunk(run.id, run.created, run.model, [
                 ChatChunkChoice(index, ChatDelta(content=out.text), logprobs, finish)])
         else:
-            logprobs = completion_logprobs(run.engine, out.logprobs, offsets[index]) \
-                if p.num_logprobs is not None and out.logprobs else None
-            offsets[index] += len(out.text)
+            # echo: the prompt goes out with the first delta, with its logprobs
+            echo = p.prompts[index // p.n] if echo_pending[index] else None
+            text = (p.prompt_texts[index // p.n] if echo else "") + out.text
+            echo_pending[index] = False
+            logprobs = completion_logprobs(run.engine, out.logprobs or [], offsets[index], echo,
+                                           out.prompt_logprobs) \
+                if p.num_logprobs is not None else None
+            offsets[index] += len(text)
             chunk = CompletionChunk(run.id, run.created, run.model, [
-                CompletionChoice(index, out.text, logprobs, finish)])
+                CompletionChoice(index, text, logprobs, finish)])
         await _send(resp, chunk)
     if p.include_usage:
         total_prompt = sum(prompt_tokens[i * p.n] for i in range(len(p.prompts)))

@@ -31,7 +31,8 @@ class PreparedRequest:
 
 
 def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
-                     defaults: GenerationDefaults) -> SamplingParams:
+                     defaults: GenerationDefaults,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     def pick(value, default, fallback):
         if value is not None:
             return value
@@ -58,7 +59,7 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
         repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty, 1.0),
         logit_bias=tuple(bias), seed=req.seed, stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens, logprobs=logprobs,
+        min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens)
 
 
@@ -90,7 +91,10 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
             texts.append(tokenizer.decode(list(item), skip_special_tokens=False)
                          if req.echo else "")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = _sampling_params(req, max_tokens, req.logprobs, defaults)
+    # echo with logprobs lists the prompt's tokens too, each scored given
+    # the ones before it.
+    prompt_logprobs = req.logprobs if req.echo else None
+    params = _sampling_params(req, max_tokens, req.logprobs, defaults, prompt_logprobs)
     return PreparedRequest(
         "text_completion", prompts, texts, params, req.n, req.logprobs, req.echo, req.stream,
         bool(req.stream_options and req.stream_options.include_usage))

@@ -93,3 +93,30 @@ def test_sharded_folder_generates_same_tokens(tiny_llama_dir, tiny_llama_sharded
     a = run_all(make_engine(tiny_llama_dir), prompts, GREEDY)
     b = run_all(make_engine(tiny_llama_sharded_dir), prompts, GREEDY)
     assert {k: v.token_ids for k, v in a.items()} == {k: v.token_ids for k, v in b.items()}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_prompt_logprobs_match_transformers(tiny_llama_dir, scenario):
+    from transformers import AutoModelForCausalLM
+    core = make_engine(tiny_llama_dir, **SCENARIOS[scenario])
+    lengths = PREEMPTION_LENGTHS if scenario == "preemption" else PROMPT_LENGTHS
+    prompts = _prompts(core.vocab_size, seed=11, lengths=lengths)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+                            prompt_logprobs=2)
+    got = {}
+    for rid, ids in prompts.items():
+        core.add_request(rid, ids, params)
+    while core.has_unfinished():
+        for out in core.step():
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in got, "prompt logprobs sent twice"
+                got[out.request_id] = out.prompt_logprobs
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for rid, ids in prompts.items():
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        entries = got[rid]
+        assert [e.token_id for e in entries] == ids[1:]
+        for pos, entry in enumerate(entries):
+            assert abs(entry.logprob - ref[pos, ids[pos + 1]].item()) < 1e-4
+            assert [t for t, _ in entry.top] == ref[pos].topk(2).indices.tolist()
