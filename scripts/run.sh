@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up (idempotently) and run Baton on the embedded model; arguments go to
-# the `baton` command (default: a short generation).
+# the `baton` command (default: `baton serve` on http://127.0.0.1:8000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 if [ "$#" -eq 0 ]; then
-    set -- generate --chat "What is the capital of France?"
+    set -- serve
 fi
 exec .venv/bin/baton "$@"
