@@ -19,8 +19,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=_env("model", None),
                         help="Hugging Face model folder or .gguf file "
                              "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=_env("dtype", "bfloat16"),
-                        choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=_env("dtype", "auto"),
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: bfloat16 where the hardware has native bf16 "
+                             "(CUDA, AVX-512 BF16 / AMX CPUs), else float32")
     parser.add_argument("--device", default=_env("device", "cpu"),
                         help="cpu, cuda or cuda:N")
     parser.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))

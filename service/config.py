@@ -24,7 +24,7 @@ def parse_bytes(text: str) -> int:
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     model: str | None = None          # None: the embedded default
-    dtype: str = "bfloat16"
+    dtype: str = "auto"              # auto: bfloat16 where native, else float32
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory: int | None = None   # bytes; None: backend default

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
 
 import torch
 
+from backends.device import resolve_dtype
 from backends.errors import ModelLoadError
 from backends.loader import load_model, resolve_model_path
 from backends.tokenizer import Tokenizer
@@ -32,6 +34,7 @@ def model_name_for(model: str | None) -> str:
 
 
 def create_engine(args: EngineArgs) -> EngineCore:
+    args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device))
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

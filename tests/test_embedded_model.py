@@ -44,7 +44,7 @@ def test_greedy_tokens_equal_transformers_on_embedded_gguf(hf_gguf_model):
 
 def test_chat_generation_is_sensible():
     from service.chat_template import render_chat
-    core = make_engine(None, dtype="bfloat16", num_kv_blocks=64)
+    core = make_engine(None, dtype="auto", num_kv_blocks=64)
     tok = core.tokenizer
     text = render_chat(tok.chat_template,
                        [{"role": "user", "content": "What is the capital of France?"}],

@@ -120,3 +120,19 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir, scenario):
         for pos, entry in enumerate(entries):
             assert abs(entry.logprob - ref[pos, ids[pos + 1]].item()) < 1e-4
             assert [t for t, _ in entry.top] == ref[pos].topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_mostly_agrees(tiny_model_dir, dtype):
+    """One code path for every dtype: the same engine in 16-bit floats gives
+    nearly the same greedy tokens as float32 (exact equality is not expected)."""
+    arch, path = tiny_model_dir
+    prompts = _prompts(512, seed=5)
+    full = run_all(make_engine(path, dtype="float32"), prompts, GREEDY)
+    half = run_all(make_engine(path, dtype=dtype, max_num_batched_tokens=16), prompts, GREEDY)
+    same = sum(a == b for rid in prompts
+               for a, b in zip(full[rid].token_ids, half[rid].token_ids))
+    total = sum(len(full[rid].token_ids) for rid in prompts)
+    assert same / total >= 0.6, (arch, dtype, same, total)
+    first = sum(full[rid].token_ids[0] == half[rid].token_ids[0] for rid in prompts)
+    assert first >= len(prompts) - 1
