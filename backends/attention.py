@@ -18,22 +18,26 @@ import torch.nn.functional as F
 @dataclass(slots=True)
 class PrefillSegment:
     """Rows ``token_start:token_end`` of the batch are one request's chunk;
-    ``context_slots`` are the cache slots of all its positions up to the end of
-    the chunk; ``mask`` is None when the chunk starts at position 0 (plain
-    causal attention)."""
+    ``blocks`` are the cache blocks holding its positions up to the end of the
+    chunk; ``mask`` [n, len(blocks) * block_size] allows each query its own
+    and earlier positions."""
 
     token_start: int
     token_end: int
-    context_slots: torch.Tensor
-    mask: torch.Tensor | None
+    blocks: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    """Built once per step, shared by every layer. Reads gather whole blocks
+    (block_size contiguous slots per index), not single slots."""
+
     slot_mapping: torch.Tensor          # [T] cache slot of every new token
+    block_size: int
     num_decode: int                     # rows 0..num_decode-1 are decodes
-    decode_slots: torch.Tensor | None   # [D, L] slots of each decode's context
-    decode_mask: torch.Tensor | None    # [D, 1, 1, L] True where a slot is real
+    decode_blocks: torch.Tensor | None  # [D, NB] block table of each decode
+    decode_mask: torch.Tensor | None    # [D, 1, 1, NB * block_size] True where real
     prefills: list[PrefillSegment]
 
 
@@ -48,21 +52,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    bs = meta.block_size
+    k_blocks = k_cache.view(-1, bs, kv_heads, head_dim)
+    v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
     out = torch.empty_like(q)
     d = meta.num_decode
     if d:
-        # [D, L, kv, hd] -> [D, kv, L, hd]
-        k = k_cache[meta.decode_slots].transpose(1, 2)
-        v = v_cache[meta.decode_slots].transpose(1, 2)
+        # [D, NB, bs, kv, hd] -> [D, kv, NB * bs, hd]
+        k = k_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2)
+        v = v_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2)
         out[:d] = F.scaled_dot_product_attention(
             q[:d].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)
     for seg in meta.prefills:
         qs = q[seg.token_start:seg.token_end].transpose(0, 1).unsqueeze(0)
-        k = k_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)
-        v = v_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale,
-            enable_gqa=True)
+        k = k_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        v = v_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seg.mask, scale=scale,
+                                           enable_gqa=True)
         out[seg.token_start:seg.token_end] = o.squeeze(0).transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)

@@ -212,43 +212,37 @@ class TorchBackend:
 
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev),
-            num_decode=len(decode_rows), decode_slots=None, decode_mask=None,
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev), block_size=bs,
+            num_decode=len(decode_rows), decode_blocks=None, decode_mask=None,
             prefills=[self._prefill_segment(start, row) for start, row in prefill_rows])
         if decode_rows:
-            meta.decode_slots, meta.decode_mask = self._decode_gather(decode_rows)
+            meta.decode_blocks, meta.decode_mask = self._decode_gather(decode_rows)
         return (torch.tensor(input_ids, dtype=torch.long).to(dev),
                 torch.tensor(positions, dtype=torch.long).to(dev), meta, sample_rows,
                 torch.tensor(logits_index, dtype=torch.long).to(dev))
 
-    def _context_slots(self, table: list[int], length: int) -> torch.Tensor:
-        pos = torch.arange(length)
-        blocks = torch.tensor(table, dtype=torch.long)
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def _prefill_segment(self, start: int, row: ScheduledRequest) -> PrefillSegment:
         n = len(row.token_ids)
         ctx = row.start_pos + n
-        mask = None
-        if row.start_pos:
-            q_pos = torch.arange(row.start_pos, ctx).unsqueeze(1)
-            mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(self.device)
-        return PrefillSegment(start, start + n,
-                              self._context_slots(row.block_table, ctx).to(self.device), mask)
+        num_blocks = -(-ctx // self.block_size)
+        q_pos = torch.arange(row.start_pos, ctx).unsqueeze(1)
+        mask = torch.arange(num_blocks * self.block_size).unsqueeze(0) <= q_pos
+        blocks = torch.tensor(row.block_table[:num_blocks], dtype=torch.long)
+        return PrefillSegment(start, start + n, blocks.to(self.device), mask.to(self.device))
 
     def _decode_gather(self, rows: list[ScheduledRequest]):
         bs = self.block_size
-        lengths = torch.tensor([r.start_pos + 1 for r in rows], dtype=torch.long)
-        max_len = int(lengths.max())
-        max_blocks = -(-max_len // bs)
-        tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
-        for i, r in enumerate(rows):
-            used = r.block_table[:max_blocks]
-            tables[i, :len(used)] = torch.tensor(used, dtype=torch.long)
-        pos = torch.arange(max_len)
-        slots = tables[:, pos // bs] * bs + pos % bs
-        mask = (pos.unsqueeze(0) < lengths.unsqueeze(1)).view(len(rows), 1, 1, max_len)
-        return slots.to(self.device), mask.to(self.device)
+        lengths = [r.start_pos + 1 for r in rows]
+        max_blocks = -(-max(lengths) // bs)
+        # Padding entries point at block 0; the mask hides them.
+        tables = [r.block_table[:max_blocks] + [0] * (max_blocks - min(len(r.block_table),
+                                                                        max_blocks))
+                  for r in rows]
+        blocks = torch.tensor(tables, dtype=torch.long)
+        pos = torch.arange(max_blocks * bs)
+        mask = (pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).view(
+            len(rows), 1, 1, max_blocks * bs)
+        return blocks.to(self.device), mask.to(self.device)
 
     # -------------------------------------------------------------- sampling
     def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:
