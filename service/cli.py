@@ -34,6 +34,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 32)))
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=int(_env("max_num_batched_tokens", 512)))
+    parser.add_argument("--quantization", default=_env("quantization", "none"),
+                        choices=["none", "int8", "int4", "gguf"],
+                        help="weight-only quantization of the linear layers: int8 per "
+                             "channel, int4 in groups, or gguf (keep a GGUF file's Q8_0 / "
+                             "Q4_0 / Q4_1 blocks); see docs/quantization.md")
+    parser.add_argument("--quantization-group-size", type=int, choices=[32, 64, 128],
+                        default=int(_env("quantization_group_size", 128)),
+                        help="int4 group size along the input dimension (default 128)")
 
 
 def _int_or_none(value):
@@ -47,6 +55,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         kv_cache_memory=parse_bytes(ns.kv_cache_memory) if ns.kv_cache_memory else None,
         max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
+        quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
         progress=sys.stderr.isatty(), **overrides)
 
 
@@ -75,6 +84,18 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 reason = out.finish_reason
     sys.stdout.write("\n")
     logging.getLogger("baton").info("finished: %s", reason)
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from backends.loader import load_model
+    from backends.loader.export import export_hf_folder
+    from backends.torch_backend import DTYPES
+
+    dtype = DTYPES[ns.dtype]
+    loaded = load_model(ns.model, dtype=dtype, progress=sys.stderr.isatty())
+    out = export_hf_folder(loaded, ns.output, dtype)
+    logging.getLogger("baton").info("wrote %s", out)
     return 0
 
 
@@ -131,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-body-size", default=_env("max_body_size", "8MiB"))
     srv.add_argument("--seed", type=int, default=_int_or_none(_env("seed", None)))
     srv.set_defaults(func=cmd_serve)
+
+    exp = sub.add_parser("export", help="write a model (e.g. a GGUF file) as a Hugging Face "
+                                        "folder, dequantized, for peers that need one")
+    exp.add_argument("--model", default=_env("model", None),
+                     help="Hugging Face folder or .gguf file (default: the embedded model)")
+    exp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    exp.add_argument("output", help="folder to write")
+    exp.set_defaults(func=cmd_export)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
