@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,16 +66,24 @@ def bench_baton(model, dtype: str, batch: int, prompt_len: int, output_len: int,
     return {"tok_s": produced / elapsed, "elapsed": elapsed, "steps": steps, "timings": total}
 
 
-def bench_transformers(model_path: Path, dtype: str, batch: int, prompt_len: int,
+def hf_folder_for(model_path: Path, workdir: Path) -> Path:
+    """transformers runs the same dense weights Baton runs: a GGUF is exported
+    as a Hugging Face folder first (transformers' own GGUF path keeps the
+    blocks quantized and computes differently)."""
+    if model_path.is_dir():
+        return model_path
+    from backends.loader import load_model
+    from backends.loader.export import export_hf_folder
+    out = workdir / model_path.stem
+    if not (out / "model.safetensors").exists():
+        export_hf_folder(load_model(model_path, dtype=torch.float32), out, torch.float32)
+    return out
+
+
+def bench_transformers(folder: Path, dtype: str, batch: int, prompt_len: int,
                        output_len: int, seed: int) -> dict:
     from transformers import AutoModelForCausalLM
-    torch_dtype = getattr(torch, dtype)
-    if model_path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path.parent, gguf_file=model_path.name, dtype=torch_dtype)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     vocab = model.config.vocab_size
     warm = torch.tensor(random_prompts(1, 16, vocab, 0))
     with torch.inference_mode():
@@ -107,6 +116,8 @@ def main() -> None:
     args = ap.parse_args()
 
     model_path = resolve_model_path(args.model)
+    workdir = Path(tempfile.mkdtemp(prefix="baton-bench-"))
+    hf_folder = None if args.no_transformers else hf_folder_for(model_path, workdir)
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or ''} "
           f"torch {torch.__version__} threads {torch.get_num_threads()}")
     print(f"# model {model_path.name}, {args.prompt} prompt + {args.output} output tokens")
@@ -118,7 +129,7 @@ def main() -> None:
             b = bench_baton(args.model, dtype, batch, args.prompt, args.output, args.seed)
             hf = None
             if not args.no_transformers:
-                hf = bench_transformers(model_path, dtype, batch, args.prompt, args.output,
+                hf = bench_transformers(hf_folder, dtype, batch, args.prompt, args.output,
                                         args.seed)
             hf_cell = f"{hf['tok_s']:.1f}" if hf else "—"
             ratio = f"{b['tok_s'] / hf['tok_s']:.2f}x" if hf else "—"
