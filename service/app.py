@@ -183,7 +183,9 @@ async def detokenize(request: web.Request) -> web.Response:
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
                        param="tokens")
-    return _json(DetokenizeResponse(engine.core.tokenizer.decode(req.tokens)))
+    # Special tokens stay, so /tokenize -> /detokenize gives back the chat prompt.
+    text = engine.core.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return _json(DetokenizeResponse(text))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -84,23 +84,21 @@ class GenerationRun:
         """(choice index, RequestOutput) until every choice has finished; on
         the time limit, unfinished choices end with what they have."""
         stream = self.engine.stream_group(self.request_ids)
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        # A timer, not wait_for around the stream: cancelling the stream's
+        # pending get would close it and lose the final (timed-out) outputs.
+        timer = None if self.timeout is None else \
+            asyncio.get_running_loop().call_later(self.timeout, self._time_out)
         try:
-            while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                try:
-                    out = await asyncio.wait_for(anext(stream), remaining) \
-                        if remaining is not None else await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    for rid in self.request_ids:
-                        self.engine.abort(rid, FinishReason.TIMEOUT)
-                    deadline = None
-                    continue
+            async for out in stream:
                 yield self.index_of[out.request_id], out
         finally:
+            if timer is not None:
+                timer.cancel()
             await stream.aclose()
+
+    def _time_out(self) -> None:
+        for rid in self.request_ids:
+            self.engine.abort(rid, FinishReason.TIMEOUT)
 
 
 # ------------------------------------------------------------------ logprobs

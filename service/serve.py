@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 
 from aiohttp import web
@@ -32,7 +33,7 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    loading = loop.run_in_executor(None, create_engine, engine_args)
+    loading = _load_in_background(engine_args)
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())],
                                  return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
@@ -64,6 +65,35 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     state.phase = "stopped"
     log.info("stopped")
     return 0
+
+
+def _load_in_background(engine_args: EngineArgs) -> asyncio.Future:
+    """create_engine on a daemon thread: unlike the default executor, which
+    asyncio.run joins on the way out, a stop during a long load need not wait
+    for the load to finish."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def load() -> None:
+        try:
+            result, error = create_engine(engine_args), None
+        except Exception as exc:  # noqa: BLE001 - handed to the loop
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop has closed: the server stopped while loading
+
+    threading.Thread(target=load, name="baton-load", daemon=True).start()
+    return future
 
 
 def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
