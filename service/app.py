@@ -6,6 +6,7 @@ State lives in one ServerState under an AppKey. The engine may not exist yet
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ async def auth_middleware(request: web.Request, handler):
     key = request.app[STATE].config.api_key
     if key and request.path.startswith("/v1"):
         given = request.headers.get("Authorization", "")
-        if given != f"Bearer {key}":
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key")
     return await handler(request)
@@ -126,6 +127,7 @@ async def _generate(request: web.Request, type_, prepare) -> web.StreamResponse:
         return await respond_whole(run)
     finally:
         state.in_flight -= 1
+        await run.close()
 
 
 def _admit(state: ServerState, engine: AsyncEngine, prepared) -> None:
@@ -133,6 +135,9 @@ def _admit(state: ServerState, engine: AsyncEngine, prepared) -> None:
     count = len(prepared.prompts) * prepared.n
     tokens = sum(len(p) for p in prepared.prompts) * prepared.n
     scheduler = engine.core.scheduler
+    if tokens > cfg.max_waiting_tokens:
+        raise APIError(400, f"the request's prompts hold {tokens} tokens, more than this "
+                            f"server queues at once ({cfg.max_waiting_tokens})", param="prompt")
     if scheduler.num_waiting + count > cfg.max_waiting_requests:
         raise APIError(429, f"too many requests waiting ({scheduler.num_waiting}); "
                             f"retry shortly", headers={"Retry-After": "1"},

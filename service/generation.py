@@ -59,6 +59,7 @@ class GenerationRun:
         self.created = int(time.time())
         self.request_ids: list[str] = []
         self.index_of: dict[str, int] = {}
+        self._streams: list = []
 
     def start(self) -> None:
         """Queue every choice; all or nothing, so a bad prompt leaves nothing behind."""
@@ -84,6 +85,7 @@ class GenerationRun:
         """(choice index, RequestOutput) until every choice has finished; on
         the time limit, unfinished choices end with what they have."""
         stream = self.engine.stream_group(self.request_ids)
+        self._streams.append(stream)
         # A timer, not wait_for around the stream: cancelling the stream's
         # pending get would close it and lose the final (timed-out) outputs.
         timer = None if self.timeout is None else \
@@ -95,6 +97,14 @@ class GenerationRun:
             if timer is not None:
                 timer.cancel()
             await stream.aclose()
+
+    async def close(self) -> None:
+        """Abort whatever is unfinished now, rather than whenever the
+        abandoned stream is garbage-collected (a disconnect mid-write)."""
+        for stream in self._streams:
+            await stream.aclose()
+        for rid in self.request_ids:
+            self.engine.abort(rid)
 
     def _time_out(self) -> None:
         for rid in self.request_ids:
@@ -164,6 +174,9 @@ async def respond_whole(run: GenerationRun) -> web.Response:
     failed = next((c for c in choices if c.finish_reason == FinishReason.ERROR.value), None)
     if failed is not None:
         raise APIError(500, failed.error or "engine fault", error_type="internal_error")
+    if any(c.finish_reason == FinishReason.ABORT.value for c in choices):
+        # Only the server aborts a request whose client is still here: shutdown.
+        raise APIError(503, "the server shut down before the request finished")
     prompt_tokens = sum(choices[i * p.n].num_prompt_tokens for i in range(len(p.prompts)))
     completion_tokens = sum(len(c.token_ids) for c in choices)
     usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
@@ -213,9 +226,12 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
     async for index, out in run.outputs():
         prompt_tokens[index] = out.num_prompt_tokens
         completion_tokens += len(out.new_token_ids)
-        if out.finish_reason == FinishReason.ERROR.value:
-            await _send(resp, ErrorResponse(ErrorBody(out.error or "engine fault",
-                                                      "internal_error", None, None)))
+        if out.finish_reason in (FinishReason.ERROR.value, FinishReason.ABORT.value):
+            error = ErrorBody(out.error or "engine fault", "internal_error", None, None) \
+                if out.finish_reason == FinishReason.ERROR.value else \
+                ErrorBody("the server shut down before the request finished",
+                          "service_unavailable", None, None)
+            await _send(resp, ErrorResponse(error))
             await resp.write(b"data: [DONE]\n\n")
             return resp
         if (not out.text and not out.finished and p.num_logprobs is None
