@@ -145,6 +145,7 @@ class AsyncEngine:
                 self._work.clear()
                 await self._work.wait()
             self.last_progress = time.monotonic()
+            step_start = time.time_ns()
             output = core.schedule()
             if output.is_empty:
                 # Nothing fits this step (should not happen with a sane pool);
@@ -166,7 +167,11 @@ class AsyncEngine:
             self.last_progress = time.monotonic()
             stats = core.last_stats
             if stats is not None:
+                stats.start_ns, stats.end_ns = step_start, time.time_ns()
                 for observer in self.step_observers:
-                    observer(stats)
+                    try:
+                        observer(stats)
+                    except Exception:  # telemetry must never stop the engine
+                        log.exception("step observer failed")
             # Let handlers run (new requests, aborts) between steps.
             await asyncio.sleep(0)

@@ -169,7 +169,7 @@ class EngineCore:
         return out
 
     def _stats(self, output: SchedulerOutput, result: StepResult) -> SchedulerStats:
-        decode = sum(1 for r in output.requests if len(r.token_ids) == 1 and r.start_pos > 0)
+        decode = sum(1 for r in output.requests if not _is_prefill(r))
         kv = self.kv_cache
         return SchedulerStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
@@ -179,10 +179,16 @@ class EngineCore:
             kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
             kv_blocks_free=kv.num_free_blocks, kv_usage=kv.usage,
             timings=result.timings,
-            request_ids=[r.request_id for r in output.requests])
+            request_ids=[r.request_id for r in output.requests],
+            prefill_request_ids=[r.request_id for r in output.requests if _is_prefill(r)])
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         live = set(self.scheduler.requests)
         if set(self._detokenizers) != live:
             raise AssertionError("detokenizer table out of sync with live requests")
+
+
+def _is_prefill(scheduled) -> bool:
+    """Prompt tokens (or a recompute after preemption), not a decode token."""
+    return scheduled.num_output_tokens == 0 or len(scheduled.token_ids) > 1

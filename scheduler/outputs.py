@@ -50,3 +50,6 @@ class SchedulerStats:
     kv_usage: float
     timings: StepTimings = field(default_factory=StepTimings)
     request_ids: list[str] = field(default_factory=list)
+    prefill_request_ids: list[str] = field(default_factory=list)  # computed prompt tokens
+    start_ns: int = 0   # wall clock (epoch ns), set by the AsyncEngine
+    end_ns: int = 0

@@ -6,6 +6,7 @@ State lives in one ServerState under an AppKey. The engine may not exist yet
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -19,6 +20,7 @@ from backends.errors import InvalidRequestError
 from scheduler.async_engine import AsyncEngine
 from service.config import ServerConfig
 from service.generation import respond_stream, respond_whole, start_run
+from service.observability import Observability
 from service.http_errors import APIError, from_decode_error, from_invalid_request
 from service.openai_requests import chat_prompt_ids, prepare_chat, prepare_completion
 from service.openapi import openapi_document
@@ -38,16 +40,24 @@ class ServerState:
     phase: str = "loading"          # loading | ready | draining | stopped
     in_flight: int = 0
     started: float = field(default_factory=time.time)
+    obs: Observability | None = None
 
     def ready_engine(self) -> AsyncEngine:
         if self.phase == "loading" or self.engine is None:
+            self._reject("loading")
             raise APIError(503, "the model is still loading; retry shortly",
                            headers={"Retry-After": "5"})
         if self.phase != "ready":
+            self._reject("draining")
             raise APIError(503, "the server is shutting down and takes no new requests")
         if not self.engine.is_running:
             raise APIError(503, "the engine loop has stopped")
         return self.engine
+
+
+    def _reject(self, reason: str) -> None:
+        if self.obs is not None:
+            self.obs.metrics.admission_rejected(reason)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -110,24 +120,47 @@ async def auth_middleware(request: web.Request, handler):
 
 # ------------------------------------------------------------------ handlers
 
-async def _generate(request: web.Request, type_, prepare) -> web.StreamResponse:
+async def _generate(request: web.Request, type_, prepare,
+                    operation: str) -> web.StreamResponse:
     state = request.app[STATE]
-    engine = state.ready_engine()
-    body = await request.read()
-    req = _decode(body, type_)
-    _check_model(state, req.model)
-    core = engine.core
-    prepared = prepare(req, core.tokenizer, core.generation)
-    _admit(state, engine, prepared)
-    run = start_run(engine, prepared, state.model_name, state.config.request_timeout)
-    state.in_flight += 1
+    telemetry = state.obs.begin(operation, request.headers) if state.obs else None
+    error_type: str | None = None
+    run = None
     try:
+        engine = state.ready_engine()
+        req = _decode(await request.read(), type_)
+        _check_model(state, req.model)
+        core = engine.core
+        prepared = prepare(req, core.tokenizer, core.generation)
+        if telemetry is not None:
+            prompt_text = "\n".join(prepared.prompt_texts) if state.obs.log_prompts else None
+            telemetry.validated_request(prepared.params, prepared.n, prepared.stream,
+                                        prompt_text)
+        _admit(state, engine, prepared)
+        run = start_run(engine, prepared, state.model_name, state.config.request_timeout,
+                        telemetry)
+        state.in_flight += 1
         if prepared.stream:
             return await respond_stream(run, request)
         return await respond_whole(run)
+    except APIError as exc:
+        error_type = exc.code or exc.error_type
+        raise
+    except InvalidRequestError as exc:
+        error_type = "invalid_request_error"
+        raise
+    except asyncio.CancelledError:
+        error_type = "client_disconnected"
+        raise
+    except Exception as exc:
+        error_type = type(exc).__name__
+        raise
     finally:
-        state.in_flight -= 1
-        await run.close()
+        if run is not None:
+            state.in_flight -= 1
+            await run.close()
+        if telemetry is not None:
+            telemetry.finish(error_type)
 
 
 def _admit(state: ServerState, engine: AsyncEngine, prepared) -> None:
@@ -138,22 +171,25 @@ def _admit(state: ServerState, engine: AsyncEngine, prepared) -> None:
     if tokens > cfg.max_waiting_tokens:
         raise APIError(400, f"the request's prompts hold {tokens} tokens, more than this "
                             f"server queues at once ({cfg.max_waiting_tokens})", param="prompt")
+    reason = None
     if scheduler.num_waiting + count > cfg.max_waiting_requests:
-        raise APIError(429, f"too many requests waiting ({scheduler.num_waiting}); "
-                            f"retry shortly", headers={"Retry-After": "1"},
+        reason, what = "queue_full", f"too many requests waiting ({scheduler.num_waiting})"
+    elif scheduler.num_waiting_tokens + tokens > cfg.max_waiting_tokens:
+        reason, what = "queue_tokens_full", \
+            f"too many prompt tokens waiting ({scheduler.num_waiting_tokens})"
+    if reason is not None:
+        if state.obs is not None:
+            state.obs.metrics.admission_rejected(reason)
+        raise APIError(429, f"{what}; retry shortly", headers={"Retry-After": "1"},
                        code="queue_full")
-    if scheduler.num_waiting_tokens + tokens > cfg.max_waiting_tokens:
-        raise APIError(429, f"too many prompt tokens waiting "
-                            f"({scheduler.num_waiting_tokens}); retry shortly",
-                       headers={"Retry-After": "1"}, code="queue_full")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, CompletionRequest, prepare_completion)
+    return await _generate(request, CompletionRequest, prepare_completion, "text_completion")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, ChatCompletionRequest, prepare_chat)
+    return await _generate(request, ChatCompletionRequest, prepare_chat, "chat")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -191,6 +227,14 @@ async def detokenize(request: web.Request) -> web.Response:
     # Special tokens stay, so /tokenize -> /detokenize gives back the chat prompt.
     text = engine.core.tokenizer.decode(req.tokens, skip_special_tokens=False)
     return _json(DetokenizeResponse(text))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    obs = request.app[STATE].obs
+    if obs is None:
+        raise APIError(404, "metrics are not enabled on this server")
+    body, content_type = obs.metrics.render(request.headers.get("Accept"))
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -231,6 +275,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version_handler)
     app.router.add_get("/openapi.json", openapi)
     return app

@@ -112,7 +112,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
         max_waiting_tokens=ns.max_waiting_tokens,
         request_timeout=_float_or_none(ns.request_timeout), drain_timeout=ns.drain_timeout,
-        max_body_bytes=parse_bytes(ns.max_body_size))
+        max_body_bytes=parse_bytes(ns.max_body_size),
+        otlp_traces_endpoint=ns.otlp_traces_endpoint, trace_detail=ns.trace_detail,
+        log_prompts=ns.log_prompts)
     return run_server(engine_args_from(ns, seed=ns.seed), config)
 
 
@@ -151,6 +153,18 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds to let in-flight requests finish on SIGTERM")
     srv.add_argument("--max-body-size", default=_env("max_body_size", "8MiB"))
     srv.add_argument("--seed", type=int, default=_int_or_none(_env("seed", None)))
+    srv.add_argument("--otlp-traces-endpoint", default=_env("otlp_traces_endpoint", None),
+                     help="OTLP endpoint for traces (OTEL_EXPORTER_OTLP_* work too); "
+                          "with none configured, tracing is off")
+    srv.add_argument("--trace-detail", default=_env("trace_detail", "request"),
+                     choices=["none", "request", "step"],
+                     help="request: a span tree per request; step: also a span per "
+                          "engine step, linked to the requests it served")
+    srv.add_argument("--log-prompts", action="store_true",
+                     default=_env("log_prompts", "") in ("1", "true", "yes"),
+                     help="include prompts and outputs in request log lines")
+    srv.add_argument("--log-format", default=_env("log_format", "auto"),
+                     choices=["auto", "json", "console"])
     srv.set_defaults(func=cmd_serve)
 
     exp = sub.add_parser("export", help="write a model (e.g. a GGUF file) as a Hugging Face "
@@ -162,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.set_defaults(func=cmd_export)
 
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from telemetry.logs import configure_logging
+    log_format = getattr(ns, "log_format", "auto")
+    configure_logging(json=None if log_format == "auto" else log_format == "json")
     try:
         return ns.func(ns)
     except BatonError as exc:

@@ -34,6 +34,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     seed: int | None = None
     progress: bool = False
+    quantization: str = "none"           # none, int8, int4, gguf (docs/quantization.md)
+    quantization_group_size: int = 128   # int4 only: 32, 64 or 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,3 +50,6 @@ class ServerConfig:
     drain_timeout: float = 30.0
     max_body_bytes: int = 8 * 1024 * 1024
     stall_timeout: float = 60.0             # /health fails when a busy loop makes no step this long
+    otlp_traces_endpoint: str | None = None  # besides OTEL_EXPORTER_OTLP_* in the environment
+    trace_detail: str = "request"            # none | request | step
+    log_prompts: bool = False

@@ -9,9 +9,12 @@ import time
 
 import torch
 
+from backends.config import LoadedModel
 from backends.device import resolve_dtype
 from backends.errors import ModelLoadError
 from backends.loader import load_model, resolve_model_path
+from backends.quantization import (GGUF_KEPT_TYPES, QuantizationError, QuantizationSpec,
+                                   resident_weight_bytes)
 from backends.tokenizer import Tokenizer
 from backends.torch_backend import DTYPES, TorchBackend
 from scheduler.config import SchedulerConfig
@@ -33,20 +36,35 @@ def model_name_for(model: str | None) -> str:
     return _QUANT_SUFFIX.sub("", path.stem)
 
 
+def _load(args: EngineArgs, quantization: QuantizationSpec) -> LoadedModel:
+    dtype = DTYPES[args.dtype]
+    if quantization.mode != "gguf":
+        return load_model(args.model, dtype=dtype, progress=args.progress)
+    path = resolve_model_path(args.model)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise QuantizationError(
+            f"--quantization gguf keeps a GGUF file's quantized blocks, but {str(path)!r} "
+            f"is not a .gguf file; use int8 or int4 for other models")
+    from backends.loader.gguf import load_gguf
+    return load_gguf(path, dtype=dtype, progress=args.progress,
+                     keep_quantized=GGUF_KEPT_TYPES)
+
+
 def create_engine(args: EngineArgs) -> EngineCore:
     args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device))
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' was asked for but no CUDA device is available")
+    quantization = QuantizationSpec(args.quantization, args.quantization_group_size)
     t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=DTYPES[args.dtype], progress=args.progress)
+    loaded = _load(args, quantization)
     config = loaded.config
     wanted_len = args.max_model_len or config.max_position_embeddings
     backend = TorchBackend(
         loaded, device=args.device, dtype=DTYPES[args.dtype], block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-        max_positions=wanted_len, seed=args.seed)
+        max_positions=wanted_len, seed=args.seed, quantization=quantization)
     loaded.weights.clear()
     # A lone request must always fit the pool, or it could never finish.
     max_model_len = min(wanted_len, backend.kv_capacity_tokens)
@@ -64,9 +82,10 @@ def create_engine(args: EngineArgs) -> EngineCore:
         vocab_size=config.vocab_size, eos_token_ids=tuple(eos),
         model_name=model_name_for(args.model),
         generation=loaded.generation)
-    log.info("model loaded: %s, %.1fM parameters, dtype %s, device %s, KV capacity %d tokens "
-             "(%d blocks of %d), max_model_len %d, %.1fs",
+    log.info("model loaded: %s, %.1fM parameters, dtype %s, quantization %s, weights %.0f MiB, "
+             "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, %.1fs",
              loaded.source or config.name, backend.num_parameters / 1e6, args.dtype,
+             quantization.describe(), resident_weight_bytes(backend.model) / 2**20,
              args.device, backend.kv_capacity_tokens, backend.num_kv_blocks,
              args.block_size, max_model_len, time.perf_counter() - t0)
     return core

@@ -49,8 +49,9 @@ class GenerationRun:
     """The engine requests behind one HTTP request (prompts x n choices)."""
 
     def __init__(self, engine: AsyncEngine, prepared: PreparedRequest, model: str,
-                 timeout: float | None) -> None:
+                 timeout: float | None, telemetry=None) -> None:
         self.engine = engine
+        self.telemetry = telemetry
         self.prepared = prepared
         self.model = model
         self.timeout = timeout
@@ -80,6 +81,8 @@ class GenerationRun:
             for rid in self.request_ids:
                 self.engine.abort(rid)
             raise
+        if self.telemetry is not None:
+            self.telemetry.started(self.id, self.request_ids, len(self.request_ids))
 
     async def outputs(self):
         """(choice index, RequestOutput) until every choice has finished; on
@@ -91,8 +94,12 @@ class GenerationRun:
         timer = None if self.timeout is None else \
             asyncio.get_running_loop().call_later(self.timeout, self._time_out)
         try:
+            telemetry = self.telemetry
             async for out in stream:
-                yield self.index_of[out.request_id], out
+                index = self.index_of[out.request_id]
+                if telemetry is not None:
+                    telemetry.on_output(index, out)
+                yield index, out
         finally:
             if timer is not None:
                 timer.cancel()
@@ -265,8 +272,8 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
 
 
 def start_run(engine: AsyncEngine, prepared: PreparedRequest, model: str,
-              timeout: float | None) -> GenerationRun:
-    run = GenerationRun(engine, prepared, model, timeout)
+              timeout: float | None, telemetry=None) -> GenerationRun:
+    run = GenerationRun(engine, prepared, model, timeout, telemetry)
     try:
         run.start()
     except InvalidRequestError as exc:

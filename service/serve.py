@@ -14,20 +14,33 @@ from aiohttp import web
 from scheduler.async_engine import AsyncEngine
 from service.app import ServerState, create_app
 from service.config import EngineArgs, ServerConfig
-from service.engine_factory import create_engine
+from service.engine_factory import create_engine, model_name_for
+from service.observability import Observability
+from telemetry.logs import log_lifecycle
+from telemetry.metrics import Metrics
+from telemetry.tracing import setup_tracing
 
 log = logging.getLogger("baton")
 
 
+def build_observability(engine_args: EngineArgs, config: ServerConfig) -> Observability:
+    model_name = config.served_model_name or model_name_for(engine_args.model)
+    tracing = setup_tracing(otlp_endpoint=config.otlp_traces_endpoint,
+                            detail=config.trace_detail)
+    return Observability(model_name, Metrics(model_name), tracing, config.log_prompts)
+
+
 async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
-    state = ServerState(config)
+    obs = build_observability(engine_args, config)
+    state = ServerState(config, obs=obs, model_name=obs.model_name)
     app = create_app(state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
-    log.info("listening on http://%s:%d (loading the model)", config.host, config.port)
+    log_lifecycle("loading", host=config.host, port=config.port, model=obs.model_name,
+                  tracing=obs.tracing.detail)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -37,33 +50,37 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())],
                                  return_when=asyncio.FIRST_COMPLETED)
     if loading not in done:
-        log.info("stopped while loading")
+        log_lifecycle("stopped", during="loading")
         await runner.cleanup()
+        obs.tracing.shutdown()
         return 0
     try:
         core = loading.result()
     except Exception:
         log.exception("failed to load the model")
         await runner.cleanup()
+        obs.tracing.shutdown()
         return 1
     engine = AsyncEngine(core)
+    engine.step_observers.append(obs.on_step)
     engine.start()
     state.engine = engine
-    state.model_name = config.served_model_name or core.model_name
     state.phase = "ready"
-    log.info("ready: serving %r on http://%s:%d", state.model_name, config.host, config.port)
+    log_lifecycle("ready", model=state.model_name, url=f"http://{config.host}:{config.port}",
+                  max_model_len=core.max_model_len,
+                  kv_capacity_tokens=core.kv_cache.capacity_tokens)
 
     await stop.wait()
     state.phase = "draining"
-    log.info("draining: %d requests in flight, up to %.0fs", state.in_flight,
-             config.drain_timeout)
+    log_lifecycle("draining", in_flight=state.in_flight, drain_timeout=config.drain_timeout)
     deadline = time.monotonic() + config.drain_timeout
     while state.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await engine.shutdown()
     await runner.cleanup()
     state.phase = "stopped"
-    log.info("stopped")
+    obs.tracing.shutdown()
+    log_lifecycle("stopped")
     return 0
 
 

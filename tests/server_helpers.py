@@ -22,6 +22,9 @@ from aiohttp import web
 
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine import EngineCore
+from service.observability import Observability
+from telemetry.metrics import Metrics
+from telemetry.tracing import Tracing
 from service.app import ServerState, create_app
 from service.config import EngineArgs, ServerConfig
 from service.engine_factory import create_engine
@@ -78,19 +81,23 @@ class Server:
 
 @contextlib.contextmanager
 def running_server(engine: EngineCore | EngineArgs, config: ServerConfig | None = None,
-                   model_name: str | None = None) -> Iterator[Server]:
+                   model_name: str | None = None,
+                   tracing: Tracing | None = None) -> Iterator[Server]:
     """Serve ``engine`` (or one built from EngineArgs) on an ephemeral port;
-    yields a Server, then shuts the engine and the runner down."""
+    yields a Server, then shuts the engine and the runner down. Metrics are
+    always on (as in ``baton serve``); tracing only when given."""
     core = engine if isinstance(engine, EngineCore) else create_engine(engine)
     config = config or ServerConfig()
-    state = ServerState(config, model_name=model_name or config.served_model_name
-                        or core.model_name)
+    name = model_name or config.served_model_name or core.model_name
+    obs = Observability(name, Metrics(name), tracing or Tracing(), config.log_prompts)
+    state = ServerState(config, model_name=name, obs=obs)
     loop = asyncio.new_event_loop()
     started: dict[str, Any] = {}
     ready = threading.Event()
 
     async def start() -> web.AppRunner:
         engine_ = AsyncEngine(core)
+        engine_.step_observers.append(obs.on_step)
         engine_.start()
         state.engine = engine_
         state.phase = "ready"
