@@ -2,5 +2,16 @@
 # Install everything the tests need (idempotently) and run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Debian packages for the integration tests: a real Prometheus server.
+need=()
+command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+if [ "${#need[@]}" -gt 0 ]; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
 ./scripts/setup.sh "[test]"
 exec .venv/bin/python -m pytest -q -ra "$@"
