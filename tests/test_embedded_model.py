@@ -10,7 +10,7 @@ from backends.interface import SamplingParams
 from backends.loader.embedded import embedded_model_path
 from tests.engine_helpers import make_engine, run_all
 
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,7 @@ def hf_gguf_model():
 def test_greedy_tokens_equal_transformers_on_embedded_gguf(hf_gguf_model):
     core = make_engine(None, max_num_batched_tokens=64, num_kv_blocks=64)
     tok = core.tokenizer
-    texts = ["The capital of France is",
-             "def fibonacci(n):\n    ",
+    texts = ["def fibonacci(n):\n    ",
              "Once upon a time, in a land far away, there lived a dragon who loved numbers "
              "like 12345 and 3.14159."]
     prompts = {f"t{i}": tok.encode(t) for i, t in enumerate(texts)}
