@@ -124,7 +124,11 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
-        finished, self._finished_ids = self._finished_ids, []
+        # Finished ids ride with the next real step (the backend drops its
+        # per-request state then); an empty output is never executed.
+        finished: list[str] = []
+        if scheduled:
+            finished, self._finished_ids = self._finished_ids, []
         self.num_preemptions_total += num_preempted
         return SchedulerOutput(scheduled, finished, num_preempted)
 
