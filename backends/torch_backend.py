@@ -19,6 +19,7 @@ from backends.config import LoadedModel, ModelConfig
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
 from backends.models.decoder import DecoderLM
+from backends.quantization.spec import QuantizationSpec
 from backends.sampler import PenaltyInputs, SamplingBatch, sample
 
 log = logging.getLogger("baton.backend")
@@ -48,7 +49,8 @@ class TorchBackend:
     def __init__(self, loaded: LoadedModel, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int = 16,
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
-                 max_positions: int | None = None, seed: int | None = None) -> None:
+                 max_positions: int | None = None, seed: int | None = None,
+                 quantization: QuantizationSpec | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.config = loaded.config
@@ -57,7 +59,12 @@ class TorchBackend:
 
         with torch.device("meta"):
             self.model = DecoderLM(self.config)
-        self.model.load_weights(loaded.weights, self.device, dtype)
+        self.quantization = quantization or QuantizationSpec()
+        if self.quantization.enabled:
+            from backends.quantization import load_quantized
+            load_quantized(self.model, loaded.weights, self.quantization, self.device, dtype)
+        else:
+            self.model.load_weights(loaded.weights, self.device, dtype)
         self.model.eval()
 
         self.num_kv_blocks = num_kv_blocks or self._blocks_for_budget(kv_cache_bytes)

@@ -34,6 +34,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 32)))
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=int(_env("max_num_batched_tokens", 512)))
+    parser.add_argument("--threads", type=int, default=_int_or_none(_env("threads", None)),
+                        help="CPU threads for the model's math (default: torch's, one "
+                             "per core)")
     parser.add_argument("--quantization", default=_env("quantization", "none"),
                         choices=["none", "int8", "int4", "gguf"],
                         help="weight-only quantization of the linear layers: int8 per "
@@ -56,6 +59,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
+        threads=ns.threads,
         progress=sys.stderr.isatty(), **overrides)
 
 

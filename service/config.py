@@ -34,6 +34,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     seed: int | None = None
     progress: bool = False
+    threads: int | None = None           # torch intra-op threads; None: torch's default
     quantization: str = "none"           # none, int8, int4, gguf (docs/quantization.md)
     quantization_group_size: int = 128   # int4 only: 32, 64 or 128
 

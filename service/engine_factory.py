@@ -56,6 +56,10 @@ def create_engine(args: EngineArgs) -> EngineCore:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' was asked for but no CUDA device is available")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     quantization = QuantizationSpec(args.quantization, args.quantization_group_size)
     t0 = time.perf_counter()
     loaded = _load(args, quantization)

@@ -1,7 +1,8 @@
 """Load a GGUF file (llama.cpp's format) into a LoadedModel.
 
 Every tensor is dequantized on the host to the requested dtype and renamed to
-its Hugging Face name, so the model code never learns where weights came from.
+its Hugging Face name, so the model code never learns where weights came from
+(the quantized backend may ask for some projection weights' raw blocks instead).
 Metadata is checked against the tensors before anything is dequantized: a file
 Baton cannot run exactly fails fast with ModelLoadError instead of loading into
 a model that produces wrong text.
@@ -13,7 +14,7 @@ import os
 import pathlib
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -61,11 +62,14 @@ _GGUF_MAGIC = b"GGUF"
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              progress: bool = False) -> LoadedModel:
+              progress: bool = False, keep_quantized: Collection[str] = ()) -> LoadedModel:
     """Read a GGUF file: config, weights under Hugging Face names in ``dtype``,
     tokenizer and generation defaults.
 
     ``progress`` shows a bar while dequantizing, if stderr is a terminal.
+    ``keep_quantized`` names GGML block types (e.g. "Q4_1") whose layer
+    projection weights are handed through undecoded, as
+    ``backends.quantization.ggml.GGUFBlocks``, for the quantized backend.
     Raises ModelLoadError for a missing, truncated or inconsistent file and
     UnsupportedArchitectureError for an architecture Baton does not run.
     """
@@ -76,7 +80,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     config = _model_config(reader.fields, tensors, path)
     _check_tensor_shapes(config, tensors, source)
     tokenizer = build_tokenizer_spec(reader.fields, source)
-    weights = _read_weights(tensors.values(), config, dtype, progress, source)
+    weights = _read_weights(tensors.values(), config, dtype, progress, source,
+                           frozenset(keep_quantized))
     return LoadedModel(
         config=config,
         weights=weights,
@@ -307,7 +312,8 @@ def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _read_weights(tensors: Iterable[ReaderTensor], config: ModelConfig, dtype: torch.dtype,
-                  progress: bool, source: str) -> dict[str, torch.Tensor]:
+                  progress: bool, source: str,
+                  keep_quantized: frozenset[str] = frozenset()) -> dict[str, Any]:
     items = [t for t in tensors if t.name != _ROPE_FREQS]
     if progress and sys.stderr.isatty():
         try:
@@ -318,8 +324,12 @@ def _read_weights(tensors: Iterable[ReaderTensor], config: ModelConfig, dtype: t
     # Only llama-architecture files were permuted by the converter; Qwen's were not.
     heads_by_part = ({"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
                      if config.architecture == "llama" else {})
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Any] = {}
     for tensor in items:
+        if tensor.tensor_type.name in keep_quantized and _is_projection(tensor.name):
+            weights[_hf_name(tensor.name, config.num_layers, source)] = _raw_blocks(
+                tensor, heads_by_part)
+            continue
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
             array = np.asarray(array, dtype=np.float32).reshape(_torch_shape(tensor))
@@ -334,6 +344,24 @@ def _read_weights(tensors: Iterable[ReaderTensor], config: ModelConfig, dtype: t
             array = np.array(array)  # own the memory; F32 tensors are views of the mmap
         weights[_hf_name(tensor.name, config.num_layers, source)] = torch.from_numpy(array).to(dtype)
     return weights
+
+
+def _is_projection(gguf_name: str) -> bool:
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    return (match is not None and match.group(3) == "weight"
+            and _LAYER_NAMES.get(match.group(2), "").endswith("_proj"))
+
+
+def _raw_blocks(tensor: ReaderTensor, heads_by_part: Mapping[str, int]) -> Any:
+    """The tensor's blocks as stored, one row of blocks per matrix row. Rows
+    un-permute like dequantized ones: blocks lie along rows."""
+    from backends.quantization.ggml import GGUFBlocks
+
+    rows = np.array(tensor.data).reshape(_torch_shape(tensor)[0], -1)
+    part = tensor.name.split(".")[2]
+    if part in heads_by_part:
+        rows = np.ascontiguousarray(_unpermute_rotary_rows(rows, heads_by_part[part]))
+    return GGUFBlocks(torch.from_numpy(rows), tensor.tensor_type.name, _torch_shape(tensor))
 
 
 def _generation_defaults(fields: Mapping[str, Any], tokenizer: TokenizerSpec) -> GenerationDefaults:
