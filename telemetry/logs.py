@@ -32,8 +32,8 @@ def configure_logging(json: bool | None = None, level: str | int = "INFO",
     ``json`` None picks JSON unless the stream is a terminal. Calling again
     replaces the handler this function installed and nothing else.
     """
-    stream = stream if stream is not None else sys.stderr
-    is_tty = hasattr(stream, "isatty") and stream.isatty()
+    probe = stream if stream is not None else sys.stderr
+    is_tty = hasattr(probe, "isatty") and probe.isatty()
     if json is None:
         json = not is_tty
     shared: list[Any] = [
@@ -64,7 +64,9 @@ def configure_logging(json: bool | None = None, level: str | int = "INFO",
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
-    handler = logging.StreamHandler(stream)
+    # Without an explicit stream, write to whatever sys.stderr is at emit
+    # time (tests and embedders swap it; a stale captured stream would break).
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(formatter)
     setattr(handler, _HANDLER_MARK, True)
     root = logging.getLogger()
@@ -73,6 +75,16 @@ def configure_logging(json: bool | None = None, level: str | int = "INFO",
         old.close()
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+
+
+class _StderrHandler(logging.StreamHandler):
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
 
 
 def _seconds(value: float | None) -> float | None:
