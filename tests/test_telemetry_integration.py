@@ -10,6 +10,7 @@ import queue
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -27,7 +28,8 @@ MODEL = "tiny-llama"
 
 
 def _need(binary: str) -> str:
-    path = shutil.which(binary)
+    # console scripts of the test environment live beside its python
+    path = shutil.which(binary) or shutil.which(binary, path=os.path.dirname(sys.executable))
     if path is None:
         if os.environ.get("CI"):
             pytest.fail(f"{binary} is not installed; scripts/test.sh installs it")

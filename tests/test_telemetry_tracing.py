@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from concurrent import futures
@@ -312,13 +314,17 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.skipif(shutil.which("otelsink") is None, reason="oteltest is not installed")
+OTELSINK = shutil.which("otelsink") or shutil.which("otelsink",
+                                                 path=os.path.dirname(sys.executable))
+
+
+@pytest.mark.skipif(OTELSINK is None, reason="oteltest is not installed")
 def test_otlp_export_reaches_otelsink(monkeypatch):
     """oteltest's ``otelsink``, a stand-alone OTLP gRPC receiver, prints every
     export it gets. It always listens on port 4317."""
     if _port_in_use(4317):
         pytest.skip("port 4317 is taken (a collector is running?)")
-    sink = subprocess.Popen([shutil.which("otelsink")], stdout=subprocess.PIPE,
+    sink = subprocess.Popen([OTELSINK], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in sink.stdout],
