@@ -19,6 +19,7 @@ from backends.config import LoadedModel, ModelConfig
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
 from backends.models.decoder import DecoderLM
+from backends.rope import rope_table
 from backends.quantization.spec import QuantizationSpec
 from backends.sampler import PenaltyInputs, SamplingBatch, sample
 
@@ -77,7 +78,6 @@ class TorchBackend:
              torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.config.num_layers)]
         positions = max_positions or self.config.max_position_embeddings
-        from backends.rope import rope_table
         self.cos_table, self.sin_table = rope_table(self.config, positions, dtype, self.device)
 
         self._states: dict[str, _RequestState] = {}
@@ -145,7 +145,7 @@ class TorchBackend:
 
         out = sample(logits, batch)
         token_ids = out.token_ids.tolist()
-        logprobs = self._logprobs_lists(out, sample_rows)
+        logprobs = self._logprobs_lists(out, token_ids, sample_rows)
         for scheduled, token_id in zip(sample_rows, token_ids):
             state = self._states[scheduled.request_id]
             if state.params.uses_penalties:
@@ -330,11 +330,11 @@ class TorchBackend:
             presence=torch.tensor([p.presence_penalty for p in sel]).to(dev))
 
     @staticmethod
-    def _logprobs_lists(out, rows: list[ScheduledRequest]) -> list[TokenLogprobs | None]:
+    def _logprobs_lists(out, token_ids: list[int],
+                        rows: list[ScheduledRequest]) -> list[TokenLogprobs | None]:
         if out.token_logprobs is None:
             return [None] * len(rows)
         chosen = out.token_logprobs.tolist()
-        token_ids = out.token_ids.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result: list[TokenLogprobs | None] = []
