@@ -19,6 +19,10 @@ ARG TORCH_VERSION=2.13.0
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/baton
+# A C compiler: Baton builds its native CPU kernels on first start, for the
+# CPU it runs on (so not at image build time).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # torch first, from the CPU index: Baton's own requirement (torch>=2.5,<3)
 # is then met, and nothing later pulls a multi-GB CUDA build.
 RUN python -m pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu

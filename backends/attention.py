@@ -1,7 +1,8 @@
 """Attention over a paged KV pool, in portable torch (CPU and CUDA alike).
 
 The flattened batch puts single-token decodes first and prefill chunks after
-them. Decodes are batched into one padded SDPA call per layer; each prefill
+them. Decodes are batched into one padded SDPA call per layer (on CPU in
+float32, a native kernel reads the blocks in place instead); each prefill
 chunk gets its own call with a causal mask offset by the tokens already in the
 cache. The gather indices and masks are built once per step (by the backend)
 and shared by all layers.
@@ -10,6 +11,7 @@ and shared by all layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,11 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None  # [D, NB] block table of each decode
     decode_mask: torch.Tensor | None    # [D, 1, 1, NB * block_size] True where real
     prefills: list[PrefillSegment]
+    # With a native kernel (CPU float32) decodes read the pool in place and
+    # need only each row's context length; decode_mask is then None.
+    decode_kernel: Any = None
+    decode_lens: torch.Tensor | None = None   # [D] int64
+    decode_max_len: int = 0
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
@@ -58,7 +65,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
     out = torch.empty_like(q)
     d = meta.num_decode
-    if d:
+    if d and meta.decode_kernel is not None:
+        decoded = meta.decode_kernel(q[:d], k_cache, v_cache, meta.decode_blocks,
+                                     meta.decode_lens, meta.decode_max_len, bs, scale)
+        if not meta.prefills:
+            return decoded.reshape(num_tokens, num_heads * head_dim)
+        out[:d] = decoded
+    elif d:
         # [D, NB, bs, kv, hd] -> [D, kv, NB * bs, hd]
         k = k_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2)
         v = v_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2)

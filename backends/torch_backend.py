@@ -18,6 +18,7 @@ from backends.attention import AttentionMetadata, PrefillSegment
 from backends.config import LoadedModel, ModelConfig
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
+from backends.linear import PackedLinear, packing_supported, prepack_linears
 from backends.models.decoder import DecoderLM
 from backends.rope import rope_table
 from backends.quantization.spec import QuantizationSpec
@@ -51,7 +52,8 @@ class TorchBackend:
                  dtype: torch.dtype = torch.float32, block_size: int = 16,
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                  max_positions: int | None = None, seed: int | None = None,
-                 quantization: QuantizationSpec | None = None) -> None:
+                 quantization: QuantizationSpec | None = None,
+                 prepack: bool = True, native_kernels: bool = True) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.config = loaded.config
@@ -67,6 +69,15 @@ class TorchBackend:
         else:
             self.model.load_weights(loaded.weights, self.device, dtype)
         self.model.eval()
+        self.prepacked = prepack and packing_supported(self.device, dtype)
+        if self.prepacked:
+            n = prepack_linears(self.model)
+            # The packed output projection is a second copy of the (often
+            # tied) embedding matrix: twice as fast, but quantized serving is
+            # about memory, so there it stays as it is.
+            if not self.quantization.enabled:
+                self.model.packed_lm_head = PackedLinear(self.model.lm_head_weight, None)
+            log.debug("oneDNN prepacked %d linear layers", n)
 
         self.num_kv_blocks = num_kv_blocks or self._blocks_for_budget(kv_cache_bytes)
         num_slots = self.num_kv_blocks * block_size
@@ -77,6 +88,13 @@ class TorchBackend:
             (torch.zeros(shape, dtype=dtype, device=self.device),
              torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(self.config.num_layers)]
+        self.decode_kernel = None
+        if native_kernels and self.device.type == "cpu" and dtype == torch.float32:
+            from backends.kernels import paged_decode_attention
+            kernel = paged_decode_attention()
+            c = self.config
+            if kernel is not None and kernel.supports(c.num_heads, c.num_kv_heads, c.head_dim):
+                self.decode_kernel = kernel
         positions = max_positions or self.config.max_position_embeddings
         self.cos_table, self.sin_table = rope_table(self.config, positions, dtype, self.device)
 
@@ -89,7 +107,9 @@ class TorchBackend:
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        packed = sum(m.packed_weight.numel() for m in self.model.layers.modules()
+                     if isinstance(m, PackedLinear))
+        return packed + sum(p.numel() for p in self.model.parameters())
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -223,7 +243,7 @@ class TorchBackend:
             num_decode=len(decode_rows), decode_blocks=None, decode_mask=None,
             prefills=[self._prefill_segment(start, row) for start, row in prefill_rows])
         if decode_rows:
-            meta.decode_blocks, meta.decode_mask = self._decode_gather(decode_rows)
+            self._decode_gather(decode_rows, meta)
         return (torch.tensor(input_ids, dtype=torch.long).to(dev),
                 torch.tensor(positions, dtype=torch.long).to(dev), meta, sample_rows,
                 torch.tensor(logits_index, dtype=torch.long).to(dev))
@@ -237,19 +257,25 @@ class TorchBackend:
         blocks = torch.tensor(row.block_table[:num_blocks], dtype=torch.long)
         return PrefillSegment(start, start + n, blocks.to(self.device), mask.to(self.device))
 
-    def _decode_gather(self, rows: list[ScheduledRequest]):
+    def _decode_gather(self, rows: list[ScheduledRequest], meta: AttentionMetadata) -> None:
         bs = self.block_size
         lengths = [r.start_pos + 1 for r in rows]
-        max_blocks = -(-max(lengths) // bs)
-        # Padding entries point at block 0; the mask hides them.
+        max_len = max(lengths)
+        max_blocks = -(-max_len // bs)
+        # Padding entries point at block 0; the mask (or the length) hides them.
         tables = [r.block_table[:max_blocks] + [0] * (max_blocks - min(len(r.block_table),
                                                                         max_blocks))
                   for r in rows]
-        blocks = torch.tensor(tables, dtype=torch.long)
+        meta.decode_blocks = torch.tensor(tables, dtype=torch.long).to(self.device)
+        lens = torch.tensor(lengths, dtype=torch.long)
+        if self.decode_kernel is not None:
+            meta.decode_kernel = self.decode_kernel
+            meta.decode_lens = lens
+            meta.decode_max_len = max_len
+            return
         pos = torch.arange(max_blocks * bs)
-        mask = (pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).view(
-            len(rows), 1, 1, max_blocks * bs)
-        return blocks.to(self.device), mask.to(self.device)
+        meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(
+            len(rows), 1, 1, max_blocks * bs).to(self.device)
 
     # -------------------------------------------------------------- sampling
     def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:

@@ -160,7 +160,9 @@ GGUF_TYPES = {
     "blk.1.ffn_gate.weight": T.Q4_1, "blk.1.ffn_up.weight": T.Q8_0,
     "blk.1.ffn_down.weight": T.Q4_1,
 }
-EXPECTED_MODULES = {"Int4Linear": 4, "BlockInt8Linear": 2, "Linear": 2}
+# "dense": kept unquantized, an nn.Linear or (on CPU, float32) its oneDNN-packed twin.
+EXPECTED_MODULES = {"Int4Linear": 4, "BlockInt8Linear": 2, "dense": 2}
+DENSE = {"Linear", "PackedLinear"}
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +237,8 @@ def test_gguf_mode_module_kinds_and_memory(tiny_gguf):
     kinds: dict[str, int] = {}
     for layer in core.backend.model.layers:
         for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            kinds[type(module).__name__] = kinds.get(type(module).__name__, 0) + 1
+            kind = "dense" if type(module).__name__ in DENSE else type(module).__name__
+            kinds[kind] = kinds.get(kind, 0) + 1
     assert kinds == EXPECTED_MODULES
     assert resident_weight_bytes(core.backend.model) < resident_weight_bytes(none.backend.model)
 

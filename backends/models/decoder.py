@@ -83,6 +83,8 @@ class DecoderLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(
                 torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        # Set by the backend when the output projection runs prepacked (CPU).
+        self.packed_lm_head: nn.Module | None = None
         self.requires_grad_(False)
 
     @property
@@ -105,6 +107,8 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).to(torch.float32)
         return F.linear(hidden, self.lm_head_weight).to(torch.float32)
 
     # ----------------------------------------------------------------- weights

@@ -80,10 +80,15 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes held by the model's parameters and buffers (tied tensors once)."""
     seen: dict[int, int] = {}
+    opaque = 0
     for t in chain(model.parameters(), model.buffers()):
-        if not t.is_meta:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+        if t.is_meta:
+            continue
+        if t.is_mkldnn:  # oneDNN-packed: no strided storage to ask
+            opaque += t.numel() * t.element_size()
+            continue
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return opaque + sum(seen.values())
 
 
 # ------------------------------------------------------------------ pieces

@@ -1,0 +1,161 @@
+"""Native CPU kernels: C sources built on first use and called through ctypes.
+
+The sources sit beside this file. The first process that needs a kernel
+compiles it with the system C compiler (``$CC``, else ``cc``) into a cache
+folder (``$BATON_KERNEL_CACHE``, else ``~/.cache/baton/kernels``), named by a
+hash of the source and flags, so later processes load it at once. OpenMP
+resolves to the libgomp torch has already loaded, so kernels share torch's
+thread pool. ctypes drops the GIL for the length of a call.
+
+Where no compiler is present, or ``BATON_NATIVE_KERNELS=0`` is set, ``load``
+returns None (the reason is logged once) and callers use their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
+
+log = logging.getLogger("baton.kernels")
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+_FLAG_SETS = (
+    # -ffast-math lets the softmax's expf vectorize (glibc's libmvec); the
+    # inputs are finite scores, so its assumptions hold.
+    ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"],
+    ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC"],
+)
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("BATON_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "baton" / "kernels"
+
+
+def _cpu_signature() -> bytes:
+    """-march=native code runs only on CPUs like this one: a cache folder
+    shared between machines keeps one build per instruction set."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()
+
+
+def _compile(source: Path, flags: list[str]) -> Path:
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} is not on PATH)")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+                            + platform.machine().encode() + _cpu_signature()).hexdigest()[:16]
+    out_dir = cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"{source.stem}-{digest}.so"
+    if target.exists():
+        return target
+    # Build beside the target and rename: concurrent processes never load a
+    # half-written library.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    errors = []
+    for flags in _FLAG_SETS:
+        try:
+            lib = ctypes.CDLL(str(_compile(_SOURCE, flags)))
+            break
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+    else:
+        raise RuntimeError("; ".join(errors))
+    fn = lib.baton_paged_decode_attention_f32
+    fn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
+                   ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    limits = lib.baton_paged_attention_limits
+    limits.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None when unavailable."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib = None
+        if os.environ.get("BATON_NATIVE_KERNELS", "1") == "0":
+            log.info("native kernels disabled by BATON_NATIVE_KERNELS=0")
+        else:
+            try:
+                lib = _load()
+            except RuntimeError as exc:
+                log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
+        _state["lib"] = lib
+        return lib
+
+
+class PagedDecodeAttention:
+    """Callable wrapper: float32 decode attention over the paged pool."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.baton_paged_decode_attention_f32
+        group, head_dim = _i64(), _i64()
+        lib.baton_paged_attention_limits(ctypes.byref(group), ctypes.byref(head_dim))
+        self.max_group = group.value
+        self.max_head_dim = head_dim.value
+
+    def supports(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= self.max_group
+                and head_dim <= self.max_head_dim)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, max_ctx: int,
+                 block_size: int, scale: float) -> torch.Tensor:
+        """q [T, H, D] float32 -> [T, H, D]; tables [T, NB] and lens [T] int64."""
+        t, h, d = q.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                      block_tables.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
+                      t, h, k_cache.shape[1], d, block_tables.shape[1], block_size, max_ctx,
+                      scale, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"paged decode attention kernel failed (code {rc})")
+        return out
+
+
+def paged_decode_attention() -> PagedDecodeAttention | None:
+    lib = load()
+    return None if lib is None else PagedDecodeAttention(lib)

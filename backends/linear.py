@@ -1,0 +1,76 @@
+"""Linear layers with weights reordered once for oneDNN (CPU).
+
+A plain ``F.linear`` on CPU lets the BLAS pack the weight matrix into its
+blocked layout on every call; for the small batches of decoding that packing
+costs as much as the arithmetic. ``PackedLinear`` holds the weight in oneDNN's
+layout, reordered once at load time, and calls oneDNN's linear directly. The
+results equal ``F.linear``'s up to float rounding (a different summation order).
+
+On devices or dtypes oneDNN cannot serve (CUDA; bfloat16 on CPUs without native
+bf16 instructions) nothing is replaced and the model keeps ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("baton.backend")
+
+# Batch size oneDNN chooses the packed layout for: decode batches are around
+# here; prefill chunks (hundreds of rows) run on the same layout at full speed.
+PACK_BATCH_HINT = 32
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+
+
+def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when oneDNN can run a prepacked linear here (probed, not guessed:
+    torch raises for dtypes this CPU lacks instructions for)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        w = torch.ones(8, 8, dtype=dtype)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), _reorder(w),
+                                                 None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(torch.all(out == 8))
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ weight.T + bias`` with ``weight`` in oneDNN's blocked layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        # A buffer, not a parameter: the opaque layout has no strides to save.
+        self.register_buffer("packed_weight", _reorder(weight.detach()), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
+                                                  "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by a PackedLinear. Returns
+    how many were replaced. The caller checks ``packing_supported`` first."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                replaced += 1
+    return replaced

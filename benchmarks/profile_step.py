@@ -1,0 +1,99 @@
+"""Time and profile one decode step of the torch backend at a given batch.
+
+Builds BATCH requests of CONTEXT random prompt tokens on the embedded model
+(or --model), prefills them, then times --steps decode steps and (with
+--profile) prints torch.profiler's top operators for a few of them.
+
+    .venv/bin/python benchmarks/profile_step.py --batch 32 --context 160 \
+        [--dtype float32] [--threads 2] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.interface import SamplingParams, ScheduledRequest, SchedulerOutput  # noqa: E402
+from backends.loader import load_model, resolve_model_path  # noqa: E402
+from backends.torch_backend import DTYPES, TorchBackend  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="torch attention path instead of the native decode kernel")
+    ap.add_argument("--no-prepack", action="store_true",
+                    help="keep plain nn.Linear (no oneDNN weight prepacking)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    loaded = load_model(resolve_model_path(args.model), dtype=dtype)
+    bs = args.block_size
+    max_ctx = args.context + args.steps * 2 + 8
+    blocks_per = -(-max_ctx // bs)
+    backend = TorchBackend(loaded, dtype=dtype, block_size=bs,
+                           num_kv_blocks=args.batch * blocks_per + 1,
+                           prepack=not args.no_prepack,
+                           native_kernels=not args.no_kernels)
+    params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    vocab = loaded.config.vocab_size
+    reqs = []
+    for i in range(args.batch):
+        table = list(range(1 + i * blocks_per, 1 + (i + 1) * blocks_per))
+        prompt = torch.randint(100, vocab, (args.context,), generator=gen).tolist()
+        reqs.append([f"r{i}", prompt, table])
+    # Prefill one request at a time.
+    last = {}
+    for rid, prompt, table in reqs:
+        res = backend.execute(SchedulerOutput([ScheduledRequest(
+            rid, prompt, 0, table, True, params, 0, prompt)]))
+        last[rid] = res.token_ids[0]
+    pos = args.context
+
+    def step():
+        nonlocal pos
+        out = SchedulerOutput([ScheduledRequest(rid, [last[rid]], pos, table, True, params, 1)
+                               for rid, _p, table in reqs])
+        t = time.perf_counter()
+        res = backend.execute(out)
+        dt = time.perf_counter() - t
+        for rid, tok in zip(res.request_ids, res.token_ids):
+            last[rid] = tok
+        pos += 1
+        return dt, res.timings
+
+    step()
+    times = [step() for _ in range(args.steps)]
+    ms = [t * 1e3 for t, _ in times]
+    fwd = statistics.median(tm.forward for _, tm in times) * 1e3
+    print(f"batch {args.batch} context {args.context} {args.dtype} threads "
+          f"{torch.get_num_threads()}: step p50 {statistics.median(ms):.1f} ms "
+          f"(min {min(ms):.1f}), forward p50 {fwd:.1f} ms, "
+          f"{args.batch / statistics.median(ms) * 1e3:.0f} tok/s")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The CPU fast paths against the portable torch path they replace: the
+native paged decode-attention kernel against gather + SDPA, oneDNN-packed
+linears against F.linear, and a whole backend with both against one without."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.interface import SamplingParams, ScheduledRequest, SchedulerOutput
+from backends.kernels import paged_decode_attention
+from backends.linear import PackedLinear, packing_supported, prepack_linears
+from backends.loader import load_model
+from backends.torch_backend import TorchBackend
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = paged_decode_attention()
+    if k is None:
+        if os.environ.get("CI"):
+            pytest.fail("the native kernel did not build (is a C compiler installed?)")
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+    return k
+
+
+def _reference(q, k_cache, v_cache, tables, lens, bs, scale):
+    t, h, d = q.shape
+    kvh = k_cache.shape[1]
+    nb = tables.shape[1]
+    k = k_cache.view(-1, bs, kvh, d)[tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache.view(-1, bs, kvh, d)[tables].flatten(1, 2).transpose(1, 2)
+    mask = (torch.arange(nb * bs)[None] < lens[:, None]).view(t, 1, 1, nb * bs)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=True).squeeze(2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),    # SmolLM2's shape: grouped queries
+    (8, 8, 32, 4),     # one kv head per query head
+    (12, 2, 128, 16),  # wide heads
+    (4, 1, 16, 1),     # a single kv head, one slot per block
+])
+def test_kernel_matches_gather_and_sdpa(kernel, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    num_blocks = 1200
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
+    # Lengths of 1, exact block multiples and ragged ones; blocks scattered.
+    lens = torch.tensor([1, block_size, 2 * block_size, 37, 150, 5, 99])
+    nb = int(-(-lens.max() // block_size))
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * nb].view(len(lens), nb)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    out = kernel(q, k_cache, v_cache, tables, lens, int(lens.max()), block_size, scale)
+    ref = _reference(q, k_cache, v_cache, tables, lens, block_size, scale)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_ignores_slots_past_each_length(kernel):
+    """Positions past a row's length (the rest of its last block, padding
+    entries of its table) never reach the result, even when they hold NaN."""
+    bs, kvh, d = 4, 2, 8
+    k_cache = torch.randn(64 * bs, kvh, d)
+    v_cache = torch.randn(64 * bs, kvh, d)
+    tables = torch.tensor([[3, 7, 0], [9, 0, 0]])
+    lens = torch.tensor([6, 2])
+    q = torch.randn(2, 4, d)
+    expected = kernel(q, k_cache, v_cache, tables, lens, 6, bs, 0.3)
+    for slot in [7 * bs + 2, 7 * bs + 3, 9 * bs + 2, 9 * bs + 3]:
+        k_cache[slot] = float("nan")
+        v_cache[slot] = float("nan")
+    k_cache[0:bs] = float("nan")
+    out = kernel(q, k_cache, v_cache, tables, lens, 6, bs, 0.3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
+    """Without a C compiler the loader says why and returns None; it never raises."""
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.INFO); "
+            "import backends.kernels as k; print('LIB', k.load())")
+    env = dict(os.environ, CC="/nonexistent/cc", BATON_KERNEL_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "LIB None" in out.stdout
+    assert "no C compiler" in out.stdout
+    env = dict(os.environ, BATON_NATIVE_KERNELS="0", BATON_KERNEL_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert "LIB None" in out.stdout and "disabled" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def packing():
+    if not packing_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(packing, bias):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    layer = PackedLinear(w, b)
+    for shape in [(1, 40), (7, 40), (300, 40), (2, 5, 40)]:
+        x = torch.randn(*shape, generator=gen)
+        torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_prepack_replaces_only_plain_linears(packing):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(8, 2, bias=False)))
+    x = torch.randn(3, 4)
+    expected = model(x)
+    assert prepack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def _run(backend: TorchBackend, prompts: list[list[int]], steps: int):
+    """Prefill every prompt in one mixed step, then decode them together.
+    Returns each step's sampled ids and the chosen tokens' logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True, logprobs=3)
+    bs = backend.block_size
+    tables = [list(range(1 + i * 8, 1 + (i + 1) * 8)) for i in range(len(prompts))]
+    last = []
+    ids_seen, logprobs_seen = [], []
+    res = backend.execute(SchedulerOutput([
+        ScheduledRequest(f"r{i}", p, 0, tables[i], True, params, 0, p)
+        for i, p in enumerate(prompts)]))
+    last = list(res.token_ids)
+    ids_seen.append(list(res.token_ids))
+    logprobs_seen.append([lp.logprob for lp in res.logprobs])
+    for step in range(steps):
+        out = SchedulerOutput([
+            ScheduledRequest(f"r{i}", [last[i]], len(p) + step, tables[i], True, params,
+                             step + 1) for i, p in enumerate(prompts)])
+        assert all(len(p) + step < 8 * bs for p in prompts)
+        res = backend.execute(out)
+        last = list(res.token_ids)
+        ids_seen.append(list(res.token_ids))
+        logprobs_seen.append([lp.logprob for lp in res.logprobs])
+    return ids_seen, logprobs_seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_backend_fast_paths_agree_with_torch_path(kernel, packing, request, arch):
+    loaded = load_model(request.getfixturevalue(f"tiny_{arch}_dir"), dtype=torch.float32)
+    fast = TorchBackend(loaded, block_size=4, num_kv_blocks=64)
+    plain = TorchBackend(loaded, block_size=4, num_kv_blocks=64, prepack=False,
+                         native_kernels=False)
+    assert fast.prepacked and fast.decode_kernel is not None
+    assert not plain.prepacked and plain.decode_kernel is None
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 6, 13, 4)]
+    ids_fast, lp_fast = _run(fast, prompts, 10)
+    ids_plain, lp_plain = _run(plain, prompts, 10)
+    assert ids_fast == ids_plain
+    torch.testing.assert_close(torch.tensor(lp_fast), torch.tensor(lp_plain), atol=1e-4, rtol=0)
