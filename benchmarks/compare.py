@@ -1,0 +1,264 @@
+"""Compare Baton with another OpenAI-compatible server on one workload, in one run.
+
+Each server is measured in turn with serve_load's workload (streaming
+`/v1/completions`, PROMPT random token ids, OUTPUT tokens with ignore_eos) at
+each concurrency; every request of every server gets a fresh prompt (both
+servers cache prefixes). With `--start NAME=COMMAND` this script starts that
+server itself, waits for `GET /v1/models`, measures, and stops it before the
+next one, so only one server holds the CPU at a time.
+
+Prints, per server, the row of figures the performance issue tracks
+(c=1 tok/s, c=1 inter-token p50, c=8 tok/s, c=32 tok/s, c=32 TTFT p50), then the
+ratios of the first server (`--server` order; Baton by convention) to each
+other one, against the issue's goals.
+
+    .venv/bin/python benchmarks/compare.py \\
+        --server baton=http://127.0.0.1:8000 --server vllm=http://127.0.0.1:8001 \\
+        [--start 'baton=baton serve --port 8000'] \\
+        [--start 'vllm=VLLM_CPU_KVCACHE_SPACE=2 /path/venv/bin/python -m \\
+            vllm.entrypoints.openai.api_server --model DIR --port 8001 ...'] \\
+        [--concurrency 1 8 32] [--num-requests 4 16 64] [--prompt-len 128] \\
+        [--output-len 128] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serve_load import (LoadResult, LoadSetupError, fetch_model_id,  # noqa: E402
+                                   normalize_base_url, run_load)
+
+# (label, concurrency, LoadResult attribute, format)
+COLUMNS = [
+    ("c=1 tok/s", 1, "output_tok_per_s", "{:.1f}"),
+    ("c=1 inter-token p50 (ms)", 1, "itl_p50_ms", "{:.1f}"),
+    ("c=8 tok/s", 8, "output_tok_per_s", "{:.1f}"),
+    ("c=32 tok/s", 32, "output_tok_per_s", "{:.1f}"),
+    ("c=32 TTFT p50 (ms)", 32, "ttft_p50_ms", "{:.0f}"),
+]
+# (description, concurrency, attribute, comparison, bound): ratio = first / other.
+GOALS = [
+    ("c=32 output tok/s ratio", 32, "output_tok_per_s", ">=", 2.0),
+    ("c=1 inter-token p50 ratio", 1, "itl_p50_ms", "<=", 0.4),
+    ("c=32 TTFT p50 ratio", 32, "ttft_p50_ms", "<=", 1.0),
+]
+
+
+def parse_pairs(values: list[str], what: str) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for value in values:
+        name, sep, rest = value.partition("=")
+        if not sep or not name or not rest:
+            raise SystemExit(f"{what} takes NAME=VALUE, got {value!r}")
+        pairs[name] = rest
+    return pairs
+
+
+class StartedServer:
+    """A server command run in its own process group; stopped on exit."""
+
+    def __init__(self, name: str, command: str, log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"compare-{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(command, shell=True, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def wait_ready(self, base_url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LoadSetupError(f"{self.name} exited with code {self.proc.returncode} "
+                                     f"before it was ready; see {self.log_path}")
+            try:
+                await fetch_model_id(base_url, None, 5.0)
+                return
+            except (LoadSetupError, aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                await asyncio.sleep(1.0)
+        raise LoadSetupError(f"{self.name} was not ready within {timeout:.0f} s; "
+                             f"see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+async def measure(name: str, base_url: str, args: argparse.Namespace,
+                  seed: int) -> dict[int, LoadResult]:
+    """Every concurrency against one server; request indices never repeat."""
+    model = await fetch_model_id(base_url, args.api_key, 30.0)
+    common = dict(prompt_len=args.prompt_len, seed=seed, vocab=args.vocab,
+                  api_key=args.api_key, timeout=args.timeout)
+    warm = await run_load(base_url, model, 1, 1, output_len=min(4, args.output_len),
+                          first_request=0, **common)
+    if warm.num_errors:
+        rec = warm.requests[0]
+        raise LoadSetupError(f"{name}: warm-up request failed: {rec.error}: {rec.error_detail}")
+    results: dict[int, LoadResult] = {}
+    next_request = 1
+    for concurrency, n in zip(args.concurrency, args.num_requests):
+        result = await run_load(base_url, model, concurrency, n, output_len=args.output_len,
+                                first_request=next_request, **common)
+        next_request += n
+        results[concurrency] = result
+        print(f"  {name} c={concurrency}: {result.output_tok_per_s:.1f} tok/s, "
+              f"ok {result.num_ok}/{n}, TTFT p50 {_fmt(result.ttft_p50_ms, '{:.0f}')} ms, "
+              f"ITL p50 {_fmt(result.itl_p50_ms, '{:.1f}')} ms", flush=True)
+        if result.num_errors:
+            raise LoadSetupError(f"{name} c={concurrency}: {result.num_errors} requests "
+                                 f"failed: {result.errors}")
+        if result.num_short:
+            raise LoadSetupError(f"{name} c={concurrency}: {result.num_short} requests came "
+                                 f"back short (ignore_eos not honoured?)")
+    return results
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def _value(results: dict[int, LoadResult], concurrency: int, attr: str) -> float | None:
+    r = results.get(concurrency)
+    return None if r is None else getattr(r, attr)
+
+
+def table(all_results: dict[str, dict[int, LoadResult]]) -> list[str]:
+    lines = ["| server | " + " | ".join(c[0] for c in COLUMNS) + " |",
+             "|---|" + "---:|" * len(COLUMNS)]
+    for name, results in all_results.items():
+        cells = [_fmt(_value(results, c, attr), fmt) for _label, c, attr, fmt in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def ratios(all_results: dict[str, dict[int, LoadResult]]) -> tuple[list[str], list[dict]]:
+    names = list(all_results)
+    first = names[0]
+    lines: list[str] = []
+    report: list[dict] = []
+    for other in names[1:]:
+        for desc, c, attr, op, bound in GOALS:
+            a = _value(all_results[first], c, attr)
+            b = _value(all_results[other], c, attr)
+            if a is None or b is None or b == 0:
+                continue
+            ratio = a / b
+            met = ratio >= bound if op == ">=" else ratio <= bound
+            lines.append(f"{first} / {other}: {desc} {ratio:.2f} (goal {op} {bound}) "
+                         f"{'met' if met else 'NOT met'}")
+            report.append({"server": first, "peer": other, "goal": desc, "ratio": ratio,
+                           "bound": bound, "op": op, "met": met})
+    return lines, report
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", action="append", required=True, metavar="NAME=URL",
+                    help="a server to measure (at least two; the first is compared "
+                         "with each other one)")
+    ap.add_argument("--start", action="append", default=[], metavar="NAME=COMMAND",
+                    help="start this server with a shell command before measuring it "
+                         "and stop it afterwards")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--num-requests", type=int, nargs="+", default=None,
+                    help="one per concurrency; default max(8, 4 * concurrency) each")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
+    ap.add_argument("--log-dir", default=".", help="where started servers' output goes")
+    ap.add_argument("--json", default=None, metavar="OUT.json")
+    args = ap.parse_args(argv)
+    args.servers = parse_pairs(args.server, "--server")
+    args.starts = parse_pairs(args.start, "--start")
+    if len(args.servers) < 2:
+        ap.error("give at least two --server NAME=URL")
+    unknown = set(args.starts) - set(args.servers)
+    if unknown:
+        ap.error(f"--start names a server not given with --server: {sorted(unknown)}")
+    if args.num_requests is None:
+        args.num_requests = [max(8, 4 * c) for c in args.concurrency]
+    if len(args.num_requests) != len(args.concurrency):
+        ap.error("--num-requests needs one value per --concurrency")
+    return args
+
+
+async def _main(args: argparse.Namespace) -> int:
+    seed = secrets.randbits(62) if args.seed is None else args.seed
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    all_results: dict[str, dict[int, LoadResult]] = {}
+    for k, (name, url) in enumerate(args.servers.items()):
+        base = normalize_base_url(url)
+        started = None
+        if name in args.starts:
+            started = StartedServer(name, args.starts[name], Path(args.log_dir))
+        try:
+            if started:
+                print(f"starting {name} ...", flush=True)
+                await started.wait_ready(base, args.start_timeout)
+            # A distinct seed per server: no server sees another's prompts.
+            all_results[name] = await measure(name, base, args, seed + 1_000_003 * k)
+        finally:
+            if started:
+                started.stop()
+    print()
+    print(f"{date} · prompt {args.prompt_len} random token ids · output {args.output_len} "
+          f"tokens (ignore_eos, temperature 0, streaming) · requests per concurrency "
+          f"{dict(zip(args.concurrency, args.num_requests))}")
+    print()
+    for line in table(all_results):
+        print(line)
+    lines, report = ratios(all_results)
+    print()
+    for line in lines:
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": date, "seed": seed, "prompt_len": args.prompt_len,
+                       "output_len": args.output_len,
+                       "servers": {n: {str(c): r.to_dict() for c, r in res.items()}
+                                   for n, res in all_results.items()},
+                       "ratios": report}, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return asyncio.run(_main(args))
+    except (LoadSetupError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        print(f"compare: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("compare: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""benchmarks/compare.py: two fake OpenAI servers measured in
+one run, ratios against the issue's goals, servers it starts itself stopped
+afterwards, and no prompt ever sent twice across servers."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare
+from tests.test_serve_load import fake_server  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def test_two_servers_ratios_and_fresh_prompts(fake_server, tmp_path, capsys):  # noqa: F811
+    fast_url, fast = await fake_server()
+    slow_url, slow = await fake_server(tokens_per_chunk=1)
+    out = tmp_path / "cmp.json"
+    args = compare.parse_args([
+        "--server", f"fast={fast_url}", "--server", f"slow={slow_url}",
+        "--concurrency", "1", "8", "32", "--num-requests", "2", "8", "32",
+        "--prompt-len", "8", "--output-len", "6", "--seed", "5", "--json", str(out)])
+    assert await compare._main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| server | c=1 tok/s | c=1 inter-token p50 (ms) | c=8 tok/s | c=32 tok/s |" in printed
+    assert "| fast |" in printed and "| slow |" in printed
+    for goal in ("c=32 output tok/s ratio", "c=1 inter-token p50 ratio", "c=32 TTFT p50 ratio"):
+        assert f"fast / slow: {goal}" in printed
+    report = json.loads(out.read_text())
+    assert set(report["servers"]) == {"fast", "slow"}
+    for name, state in (("fast", fast), ("slow", slow)):
+        runs = report["servers"][name]
+        assert [runs[c]["num_ok"] for c in ("1", "8", "32")] == [2, 8, 32]
+        assert all(runs[c]["output_tokens"] == runs[c]["num_ok"] * 6 for c in runs)
+        assert len(state.bodies) == 1 + 2 + 8 + 32  # warm-up + runs
+    prompts = [json.dumps(b["prompt"]) for b in fast.bodies + slow.bodies]
+    assert len(set(prompts)) == len(prompts)
+    assert len(report["ratios"]) == 3
+    for r in report["ratios"]:
+        assert r["ratio"] > 0 and isinstance(r["met"], bool)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+FAKE_SERVER = textwrap.dedent("""
+    import asyncio, json, sys
+    from aiohttp import web
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+    async def completions(request):
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(0.001)
+            await resp.write(b"data: " + json.dumps({"choices": [
+                {"index": 0, "text": "x", "finish_reason": None}]}).encode() + b"\\n\\n")
+        await resp.write(b"data: [DONE]\\n\\n")
+        return resp
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+""")
+
+
+def test_started_servers_are_measured_then_stopped(tmp_path):
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_SERVER)
+    ports = [_free_port(), _free_port()]
+    argv = [sys.executable, str(ROOT / "benchmarks" / "compare.py"),
+            "--concurrency", "1", "2", "--num-requests", "2", "2",
+            "--prompt-len", "4", "--output-len", "3", "--log-dir", str(tmp_path)]
+    for name, port in zip(("a", "b"), ports):
+        argv += ["--server", f"{name}=http://127.0.0.1:{port}",
+                 "--start", f"{name}={sys.executable} {script} {port}"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "| a |" in out.stdout and "| b |" in out.stdout
+    time.sleep(0.5)
+    for port in ports:  # both stopped: nothing listens any more
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_needs_two_servers():
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--server", "a=http://127.0.0.1:1"])
