@@ -74,3 +74,50 @@ def prepack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
                 replaced += 1
     return replaced
+
+
+class Bf16WeightLinear(nn.Module):
+    """A linear layer with bfloat16 weights and float32 arithmetic, for CPUs
+    without native bfloat16 instructions (where torch emulates bf16 matmuls
+    several times slower than float32).
+
+    Up to ``gemv.max_rows`` input rows (decoding a few sequences, bound by
+    reading the weights) a native kernel streams the bfloat16 weights and
+    widens them in registers: half the bytes of float32. More rows (bound by
+    arithmetic) run oneDNN's float32 kernel on an exact float32 copy. Both
+    compute x @ W^T with x in float32 and W's bfloat16 values, accumulated in
+    float32, so the batch size changes only the summation order.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.gemv = gemv
+        w16 = weight.detach().to(torch.bfloat16).contiguous()
+        self.register_buffer("weight_bf16", w16, persistent=False)
+        self.register_buffer("packed_weight", _reorder(w16.float()), persistent=False)
+        b = None if bias is None else bias.detach().to(torch.bfloat16).float().contiguous()
+        self.register_buffer("bias", b, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
+            return self.gemv(x, self.weight_bf16, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
+                                                  "none", [], "")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bfloat16 weights")
+
+
+def bf16_weights_linears(model: nn.Module, gemv) -> int:
+    """Replace every ``nn.Linear`` (holding bfloat16-exact values) by a
+    Bf16WeightLinear. Returns how many were replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, Bf16WeightLinear(child.weight, child.bias, gemv))
+                replaced += 1
+    return replaced

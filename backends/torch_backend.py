@@ -18,7 +18,8 @@ from backends.attention import AttentionMetadata, PrefillSegment
 from backends.config import LoadedModel, ModelConfig
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
-from backends.linear import PackedLinear, packing_supported, prepack_linears
+from backends.linear import (Bf16WeightLinear, PackedLinear, bf16_weights_linears,
+                             packing_supported, prepack_linears)
 from backends.models.decoder import DecoderLM
 from backends.rope import rope_table
 from backends.quantization.spec import QuantizationSpec
@@ -63,14 +64,39 @@ class TorchBackend:
         with torch.device("meta"):
             self.model = DecoderLM(self.config)
         self.quantization = quantization or QuantizationSpec()
+        cpu_fast = self.device.type == "cpu" and native_kernels and prepack
+        # bfloat16 on a CPU without bfloat16 instructions: torch would emulate
+        # every bf16 matmul (several times slower than float32). Instead the
+        # weights keep their bfloat16 values (Bf16WeightLinear streams them as
+        # bf16 at small batches) and all arithmetic, activations and the KV
+        # cache are float32, as llama.cpp runs a bf16 model on such CPUs.
+        gemv = None
+        if (cpu_fast and dtype == torch.bfloat16 and not self.quantization.enabled
+                and not packing_supported(self.device, torch.bfloat16)
+                and packing_supported(self.device, torch.float32)):
+            from backends.kernels import gemv_bf16
+            gemv = gemv_bf16()
+        self.bf16_weights = gemv is not None
+        # The dtype of activations, the KV cache and the rope tables.
+        self.compute_dtype = torch.float32 if self.bf16_weights else dtype
+        act = self.compute_dtype
         if self.quantization.enabled:
             from backends.quantization import load_quantized
             load_quantized(self.model, loaded.weights, self.quantization, self.device, dtype)
+        elif self.bf16_weights:
+            # Every tensor rounded to bfloat16 first, then held in float32.
+            self.model.load_weights(
+                {name: t.to(torch.bfloat16) for name, t in loaded.weights.items()},
+                self.device, act)
         else:
             self.model.load_weights(loaded.weights, self.device, dtype)
         self.model.eval()
-        self.prepacked = prepack and packing_supported(self.device, dtype)
-        if self.prepacked:
+        self.prepacked = prepack and packing_supported(self.device, act)
+        if self.bf16_weights:
+            n = bf16_weights_linears(self.model, gemv)
+            self.model.packed_lm_head = Bf16WeightLinear(self.model.lm_head_weight, None, gemv)
+            log.debug("%d linear layers hold bfloat16 weights (and a float32 copy)", n)
+        elif self.prepacked:
             n = prepack_linears(self.model)
             # The packed output projection is a second copy of the (often
             # tied) embedding matrix: twice as fast, but quantized serving is
@@ -85,18 +111,20 @@ class TorchBackend:
         # Zeroed, not empty: padded attention reads masked slots, and garbage
         # NaNs there would survive a zero attention weight (0 * nan = nan).
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device),
-             torch.zeros(shape, dtype=dtype, device=self.device))
+            (torch.zeros(shape, dtype=act, device=self.device),
+             torch.zeros(shape, dtype=act, device=self.device))
             for _ in range(self.config.num_layers)]
         self.decode_kernel = None
-        if native_kernels and self.device.type == "cpu" and dtype == torch.float32:
-            from backends.kernels import paged_decode_attention
+        if native_kernels and self.device.type == "cpu" and act == torch.float32:
+            from backends.kernels import FusedOps, fused_ops, paged_decode_attention
             kernel = paged_decode_attention()
             c = self.config
             if kernel is not None and kernel.supports(c.num_heads, c.num_kv_heads, c.head_dim):
                 self.decode_kernel = kernel
+            if kernel is not None and c.head_dim <= FusedOps.MAX_HEAD_DIM:
+                self.model.fused_ops = fused_ops()
         positions = max_positions or self.config.max_position_embeddings
-        self.cos_table, self.sin_table = rope_table(self.config, positions, dtype, self.device)
+        self.cos_table, self.sin_table = rope_table(self.config, positions, act, self.device)
 
         self._states: dict[str, _RequestState] = {}
         self._shared_generator = torch.Generator(device=self.device)
@@ -108,7 +136,7 @@ class TorchBackend:
     @property
     def num_parameters(self) -> int:
         packed = sum(m.packed_weight.numel() for m in self.model.layers.modules()
-                     if isinstance(m, PackedLinear))
+                     if isinstance(m, (PackedLinear, Bf16WeightLinear)))
         return packed + sum(p.numel() for p in self.model.parameters())
 
     @property
@@ -116,7 +144,7 @@ class TorchBackend:
         return self.num_kv_blocks * self.block_size
 
     def _blocks_for_budget(self, kv_cache_bytes: int | None) -> int:
-        per_block = kv_bytes_per_token(self.config, self.dtype) * self.block_size
+        per_block = kv_bytes_per_token(self.config, self.compute_dtype) * self.block_size
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
                 free, _total = torch.cuda.mem_get_info(self.device)

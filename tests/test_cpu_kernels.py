@@ -167,3 +167,66 @@ def test_backend_fast_paths_agree_with_torch_path(kernel, packing, request, arch
     ids_plain, lp_plain = _run(plain, prompts, 10)
     assert ids_fast == ids_plain
     torch.testing.assert_close(torch.tensor(lp_fast), torch.tensor(lp_plain), atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------ bfloat16 weights
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 77)])
+def test_bf16_gemv_matches_float32_matmul(kernel, rows, out_features, in_features):
+    from backends.kernels import gemv_bf16
+    gemv = gemv_bf16()
+    gen = torch.Generator().manual_seed(rows + out_features)
+    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    torch.testing.assert_close(gemv(x, w16, bias), F.linear(x, w16.float(), bias),
+                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(gemv(x, w16), F.linear(x, w16.float()), atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="rows"):
+        gemv(torch.randn(gemv.max_rows + 1, in_features), w16)
+
+
+def test_bf16_weight_linear_is_one_function_of_the_rows(kernel, packing):
+    """Small batches (bf16 gemv) and large ones (float32 copy) compute the
+    same x @ W^T on W's bfloat16 values."""
+    from backends.kernels import gemv_bf16
+    from backends.linear import Bf16WeightLinear
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(80, 48, generator=gen)
+    b = torch.randn(80, generator=gen)
+    layer = Bf16WeightLinear(w, b, gemv_bf16())
+    ref_w = w.to(torch.bfloat16).float()
+    ref_b = b.to(torch.bfloat16).float()
+    x = torch.randn(12, 48, generator=gen)
+    for n in (1, 3, 4, 5, 12):
+        torch.testing.assert_close(layer(x[:n]), F.linear(x[:n], ref_w, ref_b),
+                                   atol=1e-4, rtol=1e-5)
+    # A row gives the same answer whichever path its batch took.
+    torch.testing.assert_close(layer(x[:1]), layer(x)[:1], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_on_cpu_without_native_bf16_uses_bf16_weights(kernel, packing, request, arch):
+    """--dtype bfloat16 where oneDNN has no bf16 path: the model's bf16
+    weights with float32 arithmetic, which is exactly a float32 model whose
+    weights were rounded to bfloat16."""
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    native = packing_supported(torch.device("cpu"), torch.bfloat16)
+    bf16 = TorchBackend(load_model(path, dtype=torch.bfloat16), dtype=torch.bfloat16,
+                        block_size=4, num_kv_blocks=64)
+    if native:
+        assert not bf16.bf16_weights
+        pytest.skip("this CPU runs bfloat16 natively; the bf16-weights mode is not used")
+    assert bf16.bf16_weights and bf16.compute_dtype == torch.float32
+    assert bf16.model.fused_ops is not None and bf16.decode_kernel is not None
+    rounded = load_model(path, dtype=torch.float32)
+    rounded.weights = {k: v.to(torch.bfloat16).float() for k, v in rounded.weights.items()}
+    reference = TorchBackend(rounded, block_size=4, num_kv_blocks=64, prepack=False,
+                             native_kernels=False)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 3)]
+    for rows in ([prompts[0]], prompts):  # one sequence (gemv path) and three
+        ids_a, lp_a = _run(bf16, rows, 8)
+        ids_b, lp_b = _run(reference, rows, 8)
+        assert ids_a == ids_b
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=0)

@@ -28,7 +28,7 @@ import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
 
 log = logging.getLogger("baton.kernels")
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "fused_ops.c", "gemv_bf16.c")]
 _FLAG_SETS = (
     # -ffast-math lets the softmax's expf vectorize (glibc's libmvec); the
     # inputs are finite scores, so its assumptions hold.
@@ -63,15 +63,15 @@ def _cpu_signature() -> bytes:
     return platform.processor().encode()
 
 
-def _compile(source: Path, flags: list[str]) -> Path:
+def _compile(sources: list[Path], flags: list[str]) -> Path:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} is not on PATH)")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + " ".join(flags).encode()
                             + platform.machine().encode() + _cpu_signature()).hexdigest()[:16]
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{source.stem}-{digest}.so"
+    target = out_dir / f"baton-kernels-{digest}.so"
     if target.exists():
         return target
     # Build beside the target and rename: concurrent processes never load a
@@ -79,7 +79,7 @@ def _compile(source: Path, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
@@ -94,7 +94,7 @@ def _load() -> ctypes.CDLL:
     errors = []
     for flags in _FLAG_SETS:
         try:
-            lib = ctypes.CDLL(str(_compile(_SOURCE, flags)))
+            lib = ctypes.CDLL(str(_compile(_SOURCES, flags)))
             break
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             errors.append(str(exc))
@@ -106,6 +106,16 @@ def _load() -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     limits = lib.baton_paged_attention_limits
     limits.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
+    lib.baton_rms_norm_f32.argtypes = [_p, _p, _p, _p, _i64, _i64, ctypes.c_float, ctypes.c_int]
+    lib.baton_silu_mul_f32.argtypes = [_p, _p, _i64, _i64, ctypes.c_int]
+    lib.baton_qkv_rope_store_f32.argtypes = [
+        _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, ctypes.c_float, _p, _p, _p, _p,
+        ctypes.c_int]
+    lib.baton_gemv_bf16.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
+    lib.baton_gemv_bf16_max_rows.argtypes = []
+    for fn in (lib.baton_rms_norm_f32, lib.baton_silu_mul_f32, lib.baton_qkv_rope_store_f32,
+               lib.baton_gemv_bf16, lib.baton_gemv_bf16_max_rows):
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -159,3 +169,82 @@ class PagedDecodeAttention:
 def paged_decode_attention() -> PagedDecodeAttention | None:
     lib = load()
     return None if lib is None else PagedDecodeAttention(lib)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedOps:
+    """One native call each for a decoder layer's elementwise steps (CPU,
+    float32, contiguous tensors). Same results as the torch formulas up to
+    float rounding."""
+
+    MAX_HEAD_DIM = 1024
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._norm = lib.baton_rms_norm_f32
+        self._silu_mul = lib.baton_silu_mul_f32
+        self._qkv = lib.baton_qkv_rope_store_f32
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x) * weight; with ``residual_delta``, ``x += residual_delta``
+        first, in place (x is the residual stream)."""
+        out = torch.empty_like(x)
+        t, n = x.shape
+        self._norm(x.data_ptr(), _ptr(residual_delta), weight.data_ptr(), out.data_ptr(),
+                   t, n, eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        t, two_i = gate_up.shape
+        out = gate_up.new_empty(t, two_i // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2,
+                       torch.get_num_threads())
+        return out
+
+    def qkv_rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       head_dim: int, positions: torch.Tensor, cos_table: torch.Tensor,
+                       sin_table: torch.Tensor, q_norm: torch.Tensor | None,
+                       k_norm: torch.Tensor | None, eps: float, slot_mapping: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Rotated q [T, heads, head_dim]; rotated k and v stored in the caches."""
+        t = qkv.shape[0]
+        q = qkv.new_empty(t, num_heads, head_dim)
+        self._qkv(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
+                  cos_table.data_ptr(), sin_table.data_ptr(), _ptr(q_norm), _ptr(k_norm), eps,
+                  slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                  q.data_ptr(), torch.get_num_threads())
+        return q
+
+
+def fused_ops() -> FusedOps | None:
+    lib = load()
+    return None if lib is None else FusedOps(lib)
+
+
+class GemvBf16:
+    """y = x @ w.T (+ bias) for up to ``max_rows`` float32 rows and bfloat16
+    weights, accumulated in float32."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.baton_gemv_bf16
+        self.max_rows = lib.baton_gemv_bf16_max_rows()
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        m, k = x.shape
+        n = w.shape[0]
+        x = x.contiguous()
+        y = x.new_empty(m, n)
+        rc = self._fn(x.data_ptr(), w.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k,
+                      torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"bf16 gemv kernel failed (code {rc}) for {m} rows")
+        return y
+
+
+def gemv_bf16() -> GemvBf16 | None:
+    lib = load()
+    return None if lib is None else GemvBf16(lib)

@@ -35,6 +35,7 @@ int baton_paged_decode_attention_f32(
     const int64_t G = H / KVH;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || H % KVH != 0) return 1;
     const int64_t row = KVH * D;              /* floats per slot */
+    const int64_t splits = T >= 2 * (int64_t)num_threads ? 1 : KVH;
     int failed = 0;
 
     #pragma omp parallel num_threads(num_threads)
@@ -46,12 +47,16 @@ int baton_paged_decode_attention_f32(
             #pragma omp atomic write
             failed = 2;
         }
-        /* One task per query row: a block's slots are contiguous, so each
-         * task streams whole blocks (all kv heads) through the cache once for
-         * K and once for V. */
+        /* One task per query row when there are enough rows: a block's slots
+         * are contiguous, so each task streams whole blocks (all kv heads)
+         * through the cache once for K and once for V. With few rows, one
+         * task per (row, kv head) keeps every thread busy. */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < T; t++) {
+        for (int64_t task = 0; task < T * splits; task++) {
             if (scores == NULL || acc == NULL) continue;
+            const int64_t t = task / splits;
+            const int64_t kv_per = KVH / splits;
+            const int64_t h0 = (task % splits) * kv_per * G, h1 = h0 + kv_per * G;
             const int64_t n = ctx_lens[t];
             const int64_t *table = block_tables + t * max_blocks;
             const float *qt = q + t * H * D;
@@ -61,7 +66,7 @@ int baton_paged_decode_attention_f32(
                 const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
                 for (int64_t i = 0; i < m; i++) {
                     const float *kp = kb + i * row;
-                    for (int64_t h = 0; h < H; h++) {
+                    for (int64_t h = h0; h < h1; h++) {
                         const float *qh = qt + h * D;
                         const float *kh = kp + (h / G) * D;
                         float s = 0.0f;
@@ -71,7 +76,7 @@ int baton_paged_decode_attention_f32(
                     }
                 }
             }
-            for (int64_t h = 0; h < H; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 float *sh = scores + h * n;
                 float mx = sh[0];
                 for (int64_t p = 1; p < n; p++) mx = sh[p] > mx ? sh[p] : mx;
@@ -86,13 +91,13 @@ int baton_paged_decode_attention_f32(
                 #pragma omp simd
                 for (int64_t p = 0; p < n; p++) sh[p] *= inv;
             }
-            memset(acc, 0, sizeof(float) * H * D);
+            memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
             for (int64_t p0 = 0; p0 < n; p0 += block_size) {
                 const float *vb = v_cache + table[p0 / block_size] * block_size * row;
                 const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
                 for (int64_t i = 0; i < m; i++) {
                     const float *vp = vb + i * row;
-                    for (int64_t h = 0; h < H; h++) {
+                    for (int64_t h = h0; h < h1; h++) {
                         const float w = scores[h * n + p0 + i];
                         const float *vh = vp + (h / G) * D;
                         float *ah = acc + h * D;
@@ -101,7 +106,7 @@ int baton_paged_decode_attention_f32(
                     }
                 }
             }
-            memcpy(out + t * H * D, acc, sizeof(float) * H * D);
+            memcpy(out + (t * H + h0) * D, acc + h0 * D, sizeof(float) * (h1 - h0) * D);
         }
         free(scores);
         free(acc);

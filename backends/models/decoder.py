@@ -85,6 +85,9 @@ class DecoderLM(nn.Module):
                 torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         # Set by the backend when the output projection runs prepacked (CPU).
         self.packed_lm_head: nn.Module | None = None
+        # Set by the backend to backends.kernels.FusedOps on CPU in float32:
+        # forward then makes one native call per elementwise step.
+        self.fused_ops = None
         self.requires_grad_(False)
 
     @property
@@ -98,12 +101,37 @@ class DecoderLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
+        if self.fused_ops is not None:
+            return self._forward_fused(input_ids, positions, cos_table, sin_table, kv_caches,
+                                       meta)
         cos = cos_table[positions]
         sin = sin_table[positions]
         hidden = self.embed_tokens(input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       cos_table: torch.Tensor, sin_table: torch.Tensor,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The same computation as the layers' forward, with each residual add
+        folded into the next norm and the elementwise steps done natively."""
+        ops = self.fused_ops
+        c = self.config
+        eps = c.rms_norm_eps
+        hidden = self.embed_tokens(input_ids)  # the residual stream, updated in place
+        delta = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = ops.rms_norm(hidden, layer.input_norm, eps, delta)
+            q = ops.qkv_rope_store(
+                layer.qkv_proj(x), c.num_heads, c.num_kv_heads, c.head_dim, positions,
+                cos_table, sin_table, getattr(layer, "q_norm", None),
+                getattr(layer, "k_norm", None), eps, meta.slot_mapping, k_cache, v_cache)
+            attn = paged_attention(q, k_cache, v_cache, meta, layer.scale)
+            x = ops.rms_norm(hidden, layer.post_attention_norm, eps, layer.o_proj(attn))
+            delta = layer.down_proj(ops.silu_mul(layer.gate_up_proj(x)))
+        return ops.rms_norm(hidden, self.norm, eps, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows."""

@@ -1,0 +1,99 @@
+/* Fused elementwise steps of a decoder layer (CPU, float32).
+ *
+ * In eager torch each of these is five to twenty small operators, and at
+ * decode batch sizes the per-operator dispatch costs more than the arithmetic.
+ * Each function here is one call:
+ *   rms_norm        [residual += delta;] out = rms_norm(residual) * w
+ *   silu_mul        out = silu(gate) * up, gate_up = [T, 2 * I]
+ *   qkv_rope_store  per-head q/k RMSNorm (Qwen3, optional), rotary embedding
+ *                   (rotate-half layout), K/V written into their cache slots,
+ *                   rotated q written out.
+ * Row-parallel on the process's OpenMP pool (torch's libgomp).
+ */
+#include <math.h>
+#include <stdint.h>
+
+/* Rows of work below which a parallel region costs more than it saves. */
+#define PAR_MIN_ELEMS 16384
+
+static inline float row_inv_rms(const float *x, int64_t n, float eps) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+int baton_rms_norm_f32(float *residual, const float *delta, const float *w, float *out,
+                       int64_t T, int64_t n, float eps, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (T * n >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        float *x = residual + t * n;
+        if (delta != 0) {
+            const float *d = delta + t * n;
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) x[i] += d[i];
+        }
+        const float inv = row_inv_rms(x, n, eps);
+        float *o = out + t * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (x[i] * inv);
+    }
+    return 0;
+}
+
+int baton_silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I,
+                       int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (T * I >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I;
+        const float *u = g + I;
+        float *o = out + t * I;
+        #pragma omp simd
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+static inline void rope_row(const float *x, float *dst, const float *cos_p, const float *sin_p,
+                            int64_t D) {
+    const int64_t half = D / 2;
+    #pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        dst[i] = a * cos_p[i] - b * sin_p[i];
+        dst[i + half] = b * cos_p[i + half] + a * sin_p[i + half];
+    }
+}
+
+int baton_qkv_rope_store_f32(
+        const float *qkv, int64_t T, int64_t H, int64_t KVH, int64_t D,
+        const int64_t *positions, const float *cos_table, const float *sin_table,
+        const float *q_norm, const float *k_norm, float eps,
+        const int64_t *slot_mapping, float *k_cache, float *v_cache, float *q_out,
+        int num_threads) {
+    const int64_t width = (H + 2 * KVH) * D;
+    #pragma omp parallel for num_threads(num_threads) if (T * width >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * width;
+        const float *cos_p = cos_table + positions[t] * D;
+        const float *sin_p = sin_table + positions[t] * D;
+        float tmp[1024];
+        const int64_t slot = slot_mapping[t];
+        for (int64_t h = 0; h < H + KVH; h++) {
+            const float *x = row + h * D;
+            const float *nw = h < H ? q_norm : k_norm;
+            if (nw != 0) {
+                const float inv = row_inv_rms(x, D, eps);
+                for (int64_t i = 0; i < D; i++) tmp[i] = nw[i] * (x[i] * inv);
+                x = tmp;
+            }
+            float *dst = h < H ? q_out + (t * H + h) * D
+                               : k_cache + (slot * KVH + (h - H)) * D;
+            rope_row(x, dst, cos_p, sin_p, D);
+        }
+        const float *v = row + (H + KVH) * D;
+        float *vdst = v_cache + slot * KVH * D;
+        for (int64_t i = 0; i < KVH * D; i++) vdst[i] = v[i];
+    }
+    return 0;
+}
