@@ -111,11 +111,19 @@ async def measure(name: str, base_url: str, args: argparse.Namespace,
     model = await fetch_model_id(base_url, args.api_key, 30.0)
     common = dict(prompt_len=args.prompt_len, seed=seed, vocab=args.vocab,
                   api_key=args.api_key, timeout=args.timeout)
-    warm = await run_load(base_url, model, 1, 1, output_len=min(4, args.output_len),
-                          first_request=0, **common)
-    if warm.num_errors:
+    # Warm-up; a server that listens before its model is loaded answers 503
+    # until then, so that is retried (up to --start-timeout).
+    deadline = time.monotonic() + args.start_timeout
+    while True:
+        warm = await run_load(base_url, model, 1, 1, output_len=min(4, args.output_len),
+                              first_request=0, **common)
+        if not warm.num_errors:
+            break
         rec = warm.requests[0]
-        raise LoadSetupError(f"{name}: warm-up request failed: {rec.error}: {rec.error_detail}")
+        if rec.error != "http 503" or time.monotonic() > deadline:
+            raise LoadSetupError(f"{name}: warm-up request failed: {rec.error}: "
+                                 f"{rec.error_detail}")
+        await asyncio.sleep(1.0)
     results: dict[int, LoadResult] = {}
     next_request = 1
     for concurrency, n in zip(args.concurrency, args.num_requests):
@@ -153,12 +161,16 @@ def table(all_results: dict[str, dict[int, LoadResult]]) -> list[str]:
     return lines
 
 
-def ratios(all_results: dict[str, dict[int, LoadResult]]) -> tuple[list[str], list[dict]]:
+def ratios(all_results: dict[str, dict[int, LoadResult]],
+           pairs: list[tuple[str, str]] | None = None) -> tuple[list[str], list[dict]]:
+    """Goal ratios for each (server, peer) pair; default: the first server
+    against each other one."""
     names = list(all_results)
-    first = names[0]
+    if not pairs:
+        pairs = [(names[0], other) for other in names[1:]]
     lines: list[str] = []
     report: list[dict] = []
-    for other in names[1:]:
+    for first, other in pairs:
         for desc, c, attr, op, bound in GOALS:
             a = _value(all_results[first], c, attr)
             b = _value(all_results[other], c, attr)
@@ -182,6 +194,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--start", action="append", default=[], metavar="NAME=COMMAND",
                     help="start this server with a shell command before measuring it "
                          "and stop it afterwards")
+    ap.add_argument("--pair", action="append", default=[], metavar="NAME:PEER",
+                    help="report goal ratios of NAME against PEER (repeatable; default: "
+                         "the first server against each other one)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--num-requests", type=int, nargs="+", default=None,
@@ -202,6 +217,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.starts) - set(args.servers)
     if unknown:
         ap.error(f"--start names a server not given with --server: {sorted(unknown)}")
+    args.pairs = []
+    for pair in args.pair:
+        a, sep, b = pair.partition(":")
+        if not sep or a not in args.servers or b not in args.servers:
+            ap.error(f"--pair takes NAME:PEER of two --server names, got {pair!r}")
+        args.pairs.append((a, b))
     if args.num_requests is None:
         args.num_requests = [max(8, 4 * c) for c in args.concurrency]
     if len(args.num_requests) != len(args.concurrency):
@@ -234,7 +255,7 @@ async def _main(args: argparse.Namespace) -> int:
     print()
     for line in table(all_results):
         print(line)
-    lines, report = ratios(all_results)
+    lines, report = ratios(all_results, args.pairs)
     print()
     for line in lines:
         print(line)

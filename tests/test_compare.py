@@ -95,6 +95,10 @@ def test_started_servers_are_measured_then_stopped(tmp_path):
             assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_needs_two_servers():
+def test_needs_two_servers_and_known_pairs():
     with pytest.raises(SystemExit):
         compare.parse_args(["--server", "a=http://127.0.0.1:1"])
+    two = ["--server", "a=http://127.0.0.1:1", "--server", "b=http://127.0.0.1:2"]
+    with pytest.raises(SystemExit):
+        compare.parse_args(two + ["--pair", "a:c"])
+    assert compare.parse_args(two + ["--pair", "b:a"]).pairs == [("b", "a")]
