@@ -10,7 +10,9 @@ next one, so only one server holds the CPU at a time.
 Prints, per server, the row of figures the performance issue tracks
 (c=1 tok/s, c=1 inter-token p50, c=8 tok/s, c=32 tok/s, c=32 TTFT p50), then the
 ratios of the first server (`--server` order; Baton by convention) to each
-other one, against the issue's goals.
+other one (or the `--pair`s named), against the issue's goals. With
+`--rounds N` every server is measured N times, alternating, and the figures
+are medians over the rounds.
 
     .venv/bin/python benchmarks/compare.py \\
         --server baton=http://127.0.0.1:8000 --server vllm=http://127.0.0.1:8001 \\
@@ -29,6 +31,7 @@ import json
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -147,12 +150,15 @@ def _fmt(value: float | None, fmt: str) -> str:
     return "—" if value is None else fmt.format(value)
 
 
-def _value(results: dict[int, LoadResult], concurrency: int, attr: str) -> float | None:
-    r = results.get(concurrency)
-    return None if r is None else getattr(r, attr)
+def _value(results: list[dict[int, LoadResult]], concurrency: int,
+           attr: str) -> float | None:
+    """The median over rounds of one figure."""
+    values = [getattr(r[concurrency], attr) for r in results
+              if concurrency in r and getattr(r[concurrency], attr) is not None]
+    return statistics.median(values) if values else None
 
 
-def table(all_results: dict[str, dict[int, LoadResult]]) -> list[str]:
+def table(all_results: dict[str, list[dict[int, LoadResult]]]) -> list[str]:
     lines = ["| server | " + " | ".join(c[0] for c in COLUMNS) + " |",
              "|---|" + "---:|" * len(COLUMNS)]
     for name, results in all_results.items():
@@ -161,7 +167,7 @@ def table(all_results: dict[str, dict[int, LoadResult]]) -> list[str]:
     return lines
 
 
-def ratios(all_results: dict[str, dict[int, LoadResult]],
+def ratios(all_results: dict[str, list[dict[int, LoadResult]]],
            pairs: list[tuple[str, str]] | None = None) -> tuple[list[str], list[dict]]:
     """Goal ratios for each (server, peer) pair; default: the first server
     against each other one."""
@@ -198,6 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="report goal ratios of NAME against PEER (repeatable; default: "
                          "the first server against each other one)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every server this many times, alternating; the table "
+                         "and ratios use the median of the rounds")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--num-requests", type=int, nargs="+", default=None,
                     help="one per concurrency; default max(8, 4 * concurrency) each")
@@ -233,25 +242,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> int:
     seed = secrets.randbits(62) if args.seed is None else args.seed
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    all_results: dict[str, dict[int, LoadResult]] = {}
-    for k, (name, url) in enumerate(args.servers.items()):
-        base = normalize_base_url(url)
-        started = None
-        if name in args.starts:
-            started = StartedServer(name, args.starts[name], Path(args.log_dir))
-        try:
-            if started:
-                print(f"starting {name} ...", flush=True)
-                await started.wait_ready(base, args.start_timeout)
-            # A distinct seed per server: no server sees another's prompts.
-            all_results[name] = await measure(name, base, args, seed + 1_000_003 * k)
-        finally:
-            if started:
-                started.stop()
+    all_results: dict[str, list[dict[int, LoadResult]]] = {name: [] for name in args.servers}
+    # Rounds alternate the servers, so a machine whose speed drifts over time
+    # (shared or virtual CPUs) drifts for all of them alike.
+    for round_index in range(args.rounds):
+        for k, (name, url) in enumerate(args.servers.items()):
+            base = normalize_base_url(url)
+            started = None
+            if name in args.starts:
+                started = StartedServer(name, args.starts[name], Path(args.log_dir))
+            try:
+                if started:
+                    print(f"starting {name} (round {round_index + 1}) ...", flush=True)
+                    await started.wait_ready(base, args.start_timeout)
+                # A distinct seed per server and round: no prompt is ever resent.
+                run_seed = seed + 1_000_003 * k + 7_919_993 * round_index
+                all_results[name].append(await measure(name, base, args, run_seed))
+            finally:
+                if started:
+                    started.stop()
     print()
     print(f"{date} · prompt {args.prompt_len} random token ids · output {args.output_len} "
           f"tokens (ignore_eos, temperature 0, streaming) · requests per concurrency "
-          f"{dict(zip(args.concurrency, args.num_requests))}")
+          f"{dict(zip(args.concurrency, args.num_requests))} · median of {args.rounds} "
+          f"round(s)")
     print()
     for line in table(all_results):
         print(line)
@@ -263,8 +277,10 @@ async def _main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"date": date, "seed": seed, "prompt_len": args.prompt_len,
                        "output_len": args.output_len,
-                       "servers": {n: {str(c): r.to_dict() for c, r in res.items()}
-                                   for n, res in all_results.items()},
+                       "rounds": args.rounds,
+                       "servers": {n: [{str(c): r.to_dict() for c, r in res.items()}
+                                       for res in rounds]
+                                   for n, rounds in all_results.items()},
                        "ratios": report}, f, indent=2)
     return 0
 

@@ -27,7 +27,8 @@ async def test_two_servers_ratios_and_fresh_prompts(fake_server, tmp_path, capsy
     args = compare.parse_args([
         "--server", f"fast={fast_url}", "--server", f"slow={slow_url}",
         "--concurrency", "1", "8", "32", "--num-requests", "2", "8", "32",
-        "--prompt-len", "8", "--output-len", "6", "--seed", "5", "--json", str(out)])
+        "--prompt-len", "8", "--output-len", "6", "--seed", "5", "--rounds", "2",
+        "--json", str(out)])
     assert await compare._main(args) == 0
     printed = capsys.readouterr().out
     assert "| server | c=1 tok/s | c=1 inter-token p50 (ms) | c=8 tok/s | c=32 tok/s |" in printed
@@ -36,11 +37,13 @@ async def test_two_servers_ratios_and_fresh_prompts(fake_server, tmp_path, capsy
         assert f"fast / slow: {goal}" in printed
     report = json.loads(out.read_text())
     assert set(report["servers"]) == {"fast", "slow"}
+    assert "median of 2 round(s)" in printed
     for name, state in (("fast", fast), ("slow", slow)):
-        runs = report["servers"][name]
-        assert [runs[c]["num_ok"] for c in ("1", "8", "32")] == [2, 8, 32]
-        assert all(runs[c]["output_tokens"] == runs[c]["num_ok"] * 6 for c in runs)
-        assert len(state.bodies) == 1 + 2 + 8 + 32  # warm-up + runs
+        assert len(report["servers"][name]) == 2
+        for runs in report["servers"][name]:
+            assert [runs[c]["num_ok"] for c in ("1", "8", "32")] == [2, 8, 32]
+            assert all(runs[c]["output_tokens"] == runs[c]["num_ok"] * 6 for c in runs)
+        assert len(state.bodies) == 2 * (1 + 2 + 8 + 32)  # warm-up + runs, per round
     prompts = [json.dumps(b["prompt"]) for b in fast.bodies + slow.bodies]
     assert len(set(prompts)) == len(prompts)
     assert len(report["ratios"]) == 3
