@@ -183,6 +183,8 @@ def test_dockerfile_targets():
     assert "PYTHON_IMAGE" in cpu_from or "slim" in cpu_from
     cpu_runs = " ".join(args for op, args in stages["cpu"] if op == "RUN")
     assert '"torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu' in cpu_runs
+    # Baton builds its native CPU kernels on first start (backends/kernels).
+    assert re.search(r"apt-get install[^&]*\bgcc\b[^&]*\blibc6-dev\b", cpu_runs)
     assert re.search(r"ARG TORCH_VERSION=2\.13\.0", (ROOT / "Dockerfile").read_text())
     assert re.search(r"ARG CUDA_IMAGE=pytorch/pytorch:[\w.]+-cuda[\d.]+-cudnn\d+-runtime",
                      (ROOT / "Dockerfile").read_text())
