@@ -64,16 +64,22 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` inside ``model`` by a PackedLinear. Returns
-    how many were replaced. The caller checks ``packing_supported`` first."""
+def _replace_linears(model: nn.Module, make) -> int:
+    """Replace every plain ``nn.Linear`` inside ``model`` by ``make(weight,
+    bias)``. Returns how many were replaced."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, make(child.weight, child.bias))
                 replaced += 1
     return replaced
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by a PackedLinear. Returns
+    how many were replaced. The caller checks ``packing_supported`` first."""
+    return _replace_linears(model, PackedLinear)
 
 
 class Bf16WeightLinear(nn.Module):
@@ -114,10 +120,4 @@ class Bf16WeightLinear(nn.Module):
 def bf16_weights_linears(model: nn.Module, gemv) -> int:
     """Replace every ``nn.Linear`` (holding bfloat16-exact values) by a
     Bf16WeightLinear. Returns how many were replaced."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, Bf16WeightLinear(child.weight, child.bias, gemv))
-                replaced += 1
-    return replaced
+    return _replace_linears(model, lambda w, b: Bf16WeightLinear(w, b, gemv))

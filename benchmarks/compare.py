@@ -43,7 +43,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve_load import (LoadResult, LoadSetupError, fetch_model_id,  # noqa: E402
-                                   normalize_base_url, run_load)
+                                   normalize_base_url, run_cli, run_load)
 
 # (label, concurrency, LoadResult attribute, format)
 COLUMNS = [
@@ -286,15 +286,7 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return asyncio.run(_main(args))
-    except (LoadSetupError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-        print(f"compare: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("compare: interrupted", file=sys.stderr)
-        return 130
+    return run_cli("compare", _main(parse_args(argv)))
 
 
 if __name__ == "__main__":

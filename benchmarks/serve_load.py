@@ -462,16 +462,21 @@ async def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_cli(prog: str, main_coro) -> int:
+    """Run a benchmark's async main; setup and connection failures become one
+    line on stderr and exit status 1 (130 when interrupted)."""
     try:
-        return asyncio.run(_main(args))
+        return asyncio.run(main_coro)
     except (LoadSetupError, aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-        print(f"serve_load: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{prog}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("serve_load: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("serve_load", _main(parse_args(argv)))
 
 
 if __name__ == "__main__":
