@@ -103,6 +103,8 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
 @pytest.fixture(scope="module")
 def packing():
     if not packing_supported(torch.device("cpu"), torch.float32):
+        if os.environ.get("CI"):
+            pytest.fail("torch's oneDNN linear is unavailable (the pinned CPU build has it)")
         pytest.skip("this torch build has no oneDNN")
 
 
