@@ -100,15 +100,16 @@ class Bf16WeightLinear(nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.gemv = gemv
-        w16 = weight.detach().to(torch.bfloat16).contiguous()
-        self.register_buffer("weight_bf16", w16, persistent=False)
+        w16 = weight.detach().to(torch.bfloat16)
+        # The gemv kernel's tiled layout (rows padded to 8, columns to 16).
+        self.register_buffer("weight_tiled", gemv.tile(w16), persistent=False)
         self.register_buffer("packed_weight", _reorder(w16.float()), persistent=False)
         b = None if bias is None else bias.detach().to(torch.bfloat16).float().contiguous()
         self.register_buffer("bias", b, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
-            return self.gemv(x, self.weight_bf16, self.bias)
+            return self.gemv(x, self.weight_tiled, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
                                                   "none", [], "")
 

@@ -125,6 +125,8 @@ class TorchBackend:
                 self.model.fused_ops = fused_ops()
         positions = max_positions or self.config.max_position_embeddings
         self.cos_table, self.sin_table = rope_table(self.config, positions, act, self.device)
+        if self.bf16_weights and self.decode_kernel is not None and self.model.fused_ops:
+            self.model.native_decode = self._native_decode()
 
         self._states: dict[str, _RequestState] = {}
         self._shared_generator = torch.Generator(device=self.device)
@@ -132,6 +134,24 @@ class TorchBackend:
             self._shared_generator.seed()
         else:
             self._shared_generator.manual_seed(seed)
+
+    def _native_decode(self):
+        """The whole-step native decode for a few sequences (bf16 weights)."""
+        from backends.kernels import DecodeLayerWeights, decode_bf16
+        c, m = self.config, self.model
+        layers = [
+            DecodeLayerWeights(
+                input_norm=layer.input_norm, post_norm=layer.post_attention_norm,
+                qkv=layer.qkv_proj.weight_tiled, o=layer.o_proj.weight_tiled,
+                gate_up=layer.gate_up_proj.weight_tiled, down=layer.down_proj.weight_tiled,
+                k_cache=k, v_cache=v, qkv_bias=layer.qkv_proj.bias,
+                q_norm=getattr(layer, "q_norm", None), k_norm=getattr(layer, "k_norm", None))
+            for layer, (k, v) in zip(m.layers, self.kv_caches)]
+        return decode_bf16(
+            hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=self.block_size,
+            eps=c.rms_norm_eps, cos_table=self.cos_table, sin_table=self.sin_table,
+            final_norm=m.norm, layers=layers)
 
     @property
     def num_parameters(self) -> int:
@@ -159,6 +179,7 @@ class TorchBackend:
         return int(blocks)
 
     def shutdown(self) -> None:
+        self.model.native_decode = None
         self.kv_caches = []
         self._states.clear()
         if self.device.type == "cuda":

@@ -181,11 +181,13 @@ def test_bf16_gemv_matches_float32_matmul(kernel, rows, out_features, in_feature
     w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
-    torch.testing.assert_close(gemv(x, w16, bias), F.linear(x, w16.float(), bias),
+    tiled = gemv.tile(w16)
+    torch.testing.assert_close(gemv(x, tiled, out_features, bias),
+                               F.linear(x, w16.float(), bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(gemv(x, tiled, out_features), F.linear(x, w16.float()),
                                atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(gemv(x, w16), F.linear(x, w16.float()), atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="rows"):
-        gemv(torch.randn(gemv.max_rows + 1, in_features), w16)
+        gemv(torch.randn(gemv.max_rows + 1, in_features), tiled, out_features)
 
 
 def test_bf16_weight_linear_is_one_function_of_the_rows(kernel, packing):
@@ -207,11 +209,26 @@ def test_bf16_weight_linear_is_one_function_of_the_rows(kernel, packing):
     torch.testing.assert_close(layer(x[:1]), layer(x)[:1], atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+class _CountingDecode:
+    """Wraps a DecodeBf16 and records the rows of every call."""
+
+    def __init__(self, native) -> None:
+        self.native = native
+        self.max_rows = native.max_rows
+        self.rows: list[int] = []
+
+    def __call__(self, hidden, *args):
+        self.rows.append(hidden.shape[0])
+        return self.native(hidden, *args)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bf16_on_cpu_without_native_bf16_uses_bf16_weights(kernel, packing, request, arch):
     """--dtype bfloat16 where oneDNN has no bf16 path: the model's bf16
     weights with float32 arithmetic, which is exactly a float32 model whose
-    weights were rounded to bfloat16."""
+    weights were rounded to bfloat16. Decode steps of up to four sequences
+    run as one native call (decode_bf16.c), more fall back to the layer by
+    layer path; both must agree with the reference."""
     path = request.getfixturevalue(f"tiny_{arch}_dir")
     native = packing_supported(torch.device("cpu"), torch.bfloat16)
     bf16 = TorchBackend(load_model(path, dtype=torch.bfloat16), dtype=torch.bfloat16,
@@ -226,9 +243,17 @@ def test_bf16_on_cpu_without_native_bf16_uses_bf16_weights(kernel, packing, requ
     reference = TorchBackend(rounded, block_size=4, num_kv_blocks=64, prepack=False,
                              native_kernels=False)
     gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 3)]
-    for rows in ([prompts[0]], prompts):  # one sequence (gemv path) and three
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 3, 6, 2)]
+    counting = _CountingDecode(bf16.model.native_decode)
+    bf16.model.native_decode = counting
+    for n in (1, 3, 4, 5):
+        rows = prompts[:n]
+        counting.rows.clear()
         ids_a, lp_a = _run(bf16, rows, 8)
         ids_b, lp_b = _run(reference, rows, 8)
         assert ids_a == ids_b
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=0)
+        # Every decode step of up to four rows was native; so was the first
+        # step of a lone one-token prompt (a decode at position 0).
+        steps = 9 if n == 1 else 8
+        assert counting.rows == ([n] * steps if n <= counting.max_rows else [])

@@ -22,13 +22,16 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
 
 log = logging.getLogger("baton.kernels")
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "fused_ops.c", "gemv_bf16.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "paged_attention.c", "fused_ops.c", "gemv_bf16.c", "decode_bf16.c")]
+_HEADERS = [Path(__file__).with_name("kernels.h")]
 _FLAG_SETS = (
     # -ffast-math lets the softmax's expf vectorize (glibc's libmvec); the
     # inputs are finite scores, so its assumptions hold.
@@ -67,7 +70,8 @@ def _compile(sources: list[Path], flags: list[str]) -> Path:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} is not on PATH)")
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + " ".join(flags).encode()
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *_HEADERS])
+                            + " ".join(flags).encode()
                             + platform.machine().encode() + _cpu_signature()).hexdigest()[:16]
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,8 +108,6 @@ def _load() -> ctypes.CDLL:
     fn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
                    ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
-    limits = lib.baton_paged_attention_limits
-    limits.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
     lib.baton_rms_norm_f32.argtypes = [_p, _p, _p, _p, _i64, _i64, ctypes.c_float, ctypes.c_int]
     lib.baton_silu_mul_f32.argtypes = [_p, _p, _i64, _i64, ctypes.c_int]
     lib.baton_qkv_rope_store_f32.argtypes = [
@@ -113,8 +115,11 @@ def _load() -> ctypes.CDLL:
         ctypes.c_int]
     lib.baton_gemv_bf16.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
     lib.baton_gemv_bf16_max_rows.argtypes = []
+    lib.baton_decode_bf16.argtypes = [_p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
+    lib.baton_decode_bf16_struct_sizes.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
     for fn in (lib.baton_rms_norm_f32, lib.baton_silu_mul_f32, lib.baton_qkv_rope_store_f32,
-               lib.baton_gemv_bf16, lib.baton_gemv_bf16_max_rows):
+               lib.baton_gemv_bf16, lib.baton_gemv_bf16_max_rows, lib.baton_decode_bf16,
+               lib.baton_decode_bf16_struct_sizes):
         fn.restype = ctypes.c_int
     return lib
 
@@ -141,14 +146,10 @@ class PagedDecodeAttention:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.baton_paged_decode_attention_f32
-        group, head_dim = _i64(), _i64()
-        lib.baton_paged_attention_limits(ctypes.byref(group), ctypes.byref(head_dim))
-        self.max_group = group.value
-        self.max_head_dim = head_dim.value
 
-    def supports(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= self.max_group
-                and head_dim <= self.max_head_dim)
+    @staticmethod
+    def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return num_kv_heads >= 1 and num_heads % num_kv_heads == 0
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, ctx_lens: torch.Tensor, max_ctx: int,
@@ -225,21 +226,36 @@ def fused_ops() -> FusedOps | None:
 
 
 class GemvBf16:
-    """y = x @ w.T (+ bias) for up to ``max_rows`` float32 rows and bfloat16
-    weights, accumulated in float32."""
+    """y = x @ W^T (+ bias) for up to ``max_rows`` float32 rows and bfloat16
+    weights, accumulated in float32. W is passed as ``tile(W)``: the layout
+    the kernel streams (rows padded to 8, columns to 16, tile by tile)."""
+
+    TILE_ROWS = 8
+    TILE_COLS = 16
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.baton_gemv_bf16
         self.max_rows = lib.baton_gemv_bf16_max_rows()
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+    @classmethod
+    def tile(cls, w: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> bfloat16 [N/8, K/16, 8, 16] (padded with zeros)."""
+        n, k = w.shape
+        r, c = cls.TILE_ROWS, cls.TILE_COLS
+        padded = torch.zeros(-(-n // r) * r, -(-k // c) * c, dtype=torch.bfloat16)
+        padded[:n, :k] = w.detach().to(torch.bfloat16)
+        return padded.view(padded.shape[0] // r, r, padded.shape[1] // c, c).permute(
+            0, 2, 1, 3).contiguous()
+
+    def __call__(self, x: torch.Tensor, w_tiled: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         m, k = x.shape
-        n = w.shape[0]
+        if w_tiled.shape[1] * self.TILE_COLS != -(-k // self.TILE_COLS) * self.TILE_COLS:
+            raise ValueError(f"tiled weight has {w_tiled.shape[1]} column tiles, x has {k} columns")
         x = x.contiguous()
-        y = x.new_empty(m, n)
-        rc = self._fn(x.data_ptr(), w.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k,
-                      torch.get_num_threads())
+        y = x.new_empty(m, out_features)
+        rc = self._fn(x.data_ptr(), w_tiled.data_ptr(), _ptr(bias), y.data_ptr(), m,
+                      out_features, k, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"bf16 gemv kernel failed (code {rc}) for {m} rows")
         return y
@@ -248,3 +264,93 @@ class GemvBf16:
 def gemv_bf16() -> GemvBf16 | None:
     lib = load()
     return None if lib is None else GemvBf16(lib)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in (
+        "input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm",
+        "qkv_w", "o_w", "gate_up_w", "down_w", "k_cache", "v_cache")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [*[(name, _i64) for name in (
+        "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+        "block_size")],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("cos_table", _p), ("sin_table", _p), ("final_norm", _p), ("layers", _p)]
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """One layer's tensors for ``DecodeBf16``: norms, bias and caches float32;
+    matrices tiled bfloat16 (``GemvBf16.tile``); bias and q/k norms optional."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+class DecodeBf16:
+    """A whole decode step (every layer and the final norm) in one native call,
+    for up to ``max_rows`` single-token rows, bfloat16 weights and float32
+    arithmetic (decode_bf16.c). Holds references to every tensor it points at."""
+
+    def __init__(self, lib: ctypes.CDLL, *, hidden: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, intermediate: int, block_size: int, eps: float,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
+                 layers: list[DecodeLayerWeights]) -> None:
+        layer_size, model_size = _i64(), _i64()
+        lib.baton_decode_bf16_struct_sizes(ctypes.byref(layer_size), ctypes.byref(model_size))
+        if (layer_size.value, model_size.value) != (ctypes.sizeof(_Layer), ctypes.sizeof(_Model)):
+            raise RuntimeError("decode_bf16.c and its ctypes mirror disagree on struct layout")
+        self._fn = lib.baton_decode_bf16
+        self.max_rows = lib.baton_gemv_bf16_max_rows()
+        self.hidden = hidden
+        tensors = [cos_table, sin_table, final_norm]
+        for w in layers:
+            tensors.extend(t for t in vars(w).values() if t is not None)
+        for t in tensors:
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("DecodeBf16 needs contiguous CPU tensors")
+        self._keep = (tensors, layers)
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(input_norm=w.input_norm.data_ptr(), post_norm=w.post_norm.data_ptr(),
+                   qkv_bias=_ptr(w.qkv_bias), q_norm=_ptr(w.q_norm), k_norm=_ptr(w.k_norm),
+                   qkv_w=w.qkv.data_ptr(), o_w=w.o.data_ptr(), gate_up_w=w.gate_up.data_ptr(),
+                   down_w=w.down.data_ptr(), k_cache=w.k_cache.data_ptr(),
+                   v_cache=w.v_cache.data_ptr())
+            for w in layers])
+        self._model = _Model(
+            num_layers=len(layers), hidden=hidden, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
+            block_size=block_size, eps=eps, scale=head_dim ** -0.5,
+            cos_table=cos_table.data_ptr(), sin_table=sin_table.data_ptr(),
+            final_norm=final_norm.data_ptr(), layers=ctypes.addressof(self._layers))
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 ctx_lens: torch.Tensor, max_ctx: int) -> torch.Tensor:
+        """hidden [M, hidden] float32 embeddings (overwritten: the residual
+        stream) -> final-normed hidden [M, hidden]. positions, slot_mapping,
+        ctx_lens [M] and block_tables [M, NB] int64."""
+        m = hidden.shape[0]
+        out = torch.empty_like(hidden)
+        rc = self._fn(ctypes.byref(self._model), hidden.data_ptr(), m, positions.data_ptr(),
+                      slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                      ctx_lens.data_ptr(), max_ctx, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"native decode step failed (code {rc}) for {m} rows")
+        return out
+
+
+def decode_bf16(**kwargs) -> DecodeBf16 | None:
+    lib = load()
+    return None if lib is None else DecodeBf16(lib, **kwargs)

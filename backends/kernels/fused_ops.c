@@ -10,47 +10,24 @@
  *                   rotated q written out.
  * Row-parallel on the process's OpenMP pool (torch's libgomp).
  */
-#include <math.h>
-#include <stdint.h>
+#include "kernels.h"
 
 /* Rows of work below which a parallel region costs more than it saves. */
 #define PAR_MIN_ELEMS 16384
 
-static inline float row_inv_rms(const float *x, int64_t n, float eps) {
-    float ss = 0.0f;
-    #pragma omp simd reduction(+:ss)
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    return 1.0f / sqrtf(ss / (float)n + eps);
-}
-
 int baton_rms_norm_f32(float *residual, const float *delta, const float *w, float *out,
                        int64_t T, int64_t n, float eps, int num_threads) {
     #pragma omp parallel for num_threads(num_threads) if (T * n >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        float *x = residual + t * n;
-        if (delta != 0) {
-            const float *d = delta + t * n;
-            #pragma omp simd
-            for (int64_t i = 0; i < n; i++) x[i] += d[i];
-        }
-        const float inv = row_inv_rms(x, n, eps);
-        float *o = out + t * n;
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (x[i] * inv);
-    }
+    for (int64_t t = 0; t < T; t++)
+        baton_rms_norm_row(residual + t * n, delta ? delta + t * n : 0, w, out + t * n, n, eps);
     return 0;
 }
 
 int baton_silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I,
                        int num_threads) {
     #pragma omp parallel for num_threads(num_threads) if (T * I >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gate_up + t * 2 * I;
-        const float *u = g + I;
-        float *o = out + t * I;
-        #pragma omp simd
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    for (int64_t t = 0; t < T; t++)
+        baton_silu_mul_row(gate_up + t * 2 * I, gate_up + t * 2 * I + I, out + t * I, I);
     return 0;
 }
 
@@ -65,35 +42,42 @@ static inline void rope_row(const float *x, float *dst, const float *cos_p, cons
     }
 }
 
+void baton_qkv_rope_store_row(const float *row, int64_t H, int64_t KVH, int64_t D,
+                              int64_t position, const float *cos_table,
+                              const float *sin_table, const float *q_norm,
+                              const float *k_norm, float eps, int64_t slot,
+                              float *k_cache, float *v_cache, float *q_out) {
+    const float *cos_p = cos_table + position * D;
+    const float *sin_p = sin_table + position * D;
+    float tmp[1024];
+    for (int64_t h = 0; h < H + KVH; h++) {
+        const float *x = row + h * D;
+        const float *nw = h < H ? q_norm : k_norm;
+        if (nw != 0) {
+            const float inv = baton_inv_rms(x, D, eps);
+            for (int64_t i = 0; i < D; i++) tmp[i] = nw[i] * (x[i] * inv);
+            x = tmp;
+        }
+        float *dst = h < H ? q_out + h * D : k_cache + (slot * KVH + (h - H)) * D;
+        rope_row(x, dst, cos_p, sin_p, D);
+    }
+    const float *v = row + (H + KVH) * D;
+    float *vdst = v_cache + slot * KVH * D;
+    for (int64_t i = 0; i < KVH * D; i++) vdst[i] = v[i];
+}
+
 int baton_qkv_rope_store_f32(
         const float *qkv, int64_t T, int64_t H, int64_t KVH, int64_t D,
         const int64_t *positions, const float *cos_table, const float *sin_table,
         const float *q_norm, const float *k_norm, float eps,
         const int64_t *slot_mapping, float *k_cache, float *v_cache, float *q_out,
         int num_threads) {
+    if (D > 1024) return 1;
     const int64_t width = (H + 2 * KVH) * D;
     #pragma omp parallel for num_threads(num_threads) if (T * width >= PAR_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *row = qkv + t * width;
-        const float *cos_p = cos_table + positions[t] * D;
-        const float *sin_p = sin_table + positions[t] * D;
-        float tmp[1024];
-        const int64_t slot = slot_mapping[t];
-        for (int64_t h = 0; h < H + KVH; h++) {
-            const float *x = row + h * D;
-            const float *nw = h < H ? q_norm : k_norm;
-            if (nw != 0) {
-                const float inv = row_inv_rms(x, D, eps);
-                for (int64_t i = 0; i < D; i++) tmp[i] = nw[i] * (x[i] * inv);
-                x = tmp;
-            }
-            float *dst = h < H ? q_out + (t * H + h) * D
-                               : k_cache + (slot * KVH + (h - H)) * D;
-            rope_row(x, dst, cos_p, sin_p, D);
-        }
-        const float *v = row + (H + KVH) * D;
-        float *vdst = v_cache + slot * KVH * D;
-        for (int64_t i = 0; i < KVH * D; i++) vdst[i] = v[i];
-    }
+    for (int64_t t = 0; t < T; t++)
+        baton_qkv_rope_store_row(qkv + t * width, H, KVH, D, positions[t], cos_table,
+                                 sin_table, q_norm, k_norm, eps, slot_mapping[t], k_cache,
+                                 v_cache, q_out + t * H * D);
     return 0;
 }

@@ -2,30 +2,30 @@
  *
  * Decoding a handful of sequences is bound by reading the weights, so they
  * stay in bfloat16 (half the bytes of float32) and are widened to float32 in
- * registers; products accumulate in float32. Rows of W are split across the
- * OpenMP pool in contiguous ranges so each thread streams its own part.
+ * registers; products accumulate in float32.
  *
- *   x [M, K] float32, w [N, K] bfloat16 bits, bias [N] float32 or NULL,
- *   y [M, N] float32; M <= GEMV_MAX_ROWS.
+ * W is stored tiled (kernels.h): eight rows at a time, sixteen columns at a
+ * time, so a thread's share of W is one contiguous stream and every 32-byte
+ * load feeds eight products per row. Measured on a 2-core AVX2 machine, the
+ * tiled stream reaches ~25 GB/s against ~17 GB/s for four separate row
+ * streams (a plain read reaches ~28 GB/s there).
+ *
+ *   x [M, K] float32, W tiled bfloat16 bits, bias [N] float32 or NULL,
+ *   y [M, N] float32; 1 <= M <= BATON_GEMV_MAX_ROWS.
  */
-#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define BATON_GEMV_AVX2 1
 #endif
 
-#define GEMV_MAX_ROWS 4
+int baton_gemv_bf16_max_rows(void) { return BATON_GEMV_MAX_ROWS; }
 
-int baton_gemv_bf16_max_rows(void) { return GEMV_MAX_ROWS; }
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef BATON_GEMV_AVX2
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -34,121 +34,126 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-static inline __m256 load_bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+/* Sixteen bf16 values: the even ones and the odd ones as float32. */
+static inline __m256 bf16_even(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+static inline __m256 bf16_odd(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* One input row against one tile: 16 independent FMA chains. */
+static inline void tile_one_row(const float *xp, const uint16_t *tile, int64_t kb,
+                                float *out) {
+    __m256 a[8], b[8];
+    for (int r = 0; r < 8; r++) a[r] = b[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kb; j++) {
+        const __m256 xe = _mm256_loadu_ps(xp + 16 * j), xo = _mm256_loadu_ps(xp + 16 * j + 8);
+        const uint16_t *blk = tile + j * 128;
+        for (int r = 0; r < 8; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 * r));
+            a[r] = _mm256_fmadd_ps(bf16_even(v), xe, a[r]);
+            b[r] = _mm256_fmadd_ps(bf16_odd(v), xo, b[r]);
+        }
+    }
+    for (int r = 0; r < 8; r++) out[r] = hsum256(_mm256_add_ps(a[r], b[r]));
+}
+
+/* M input rows against one tile, RP of its rows per pass (RP * M
+ * accumulators, mostly in registers). Called with literal M and RP. With
+ * several passes, the first one prefetches every cache line of the next
+ * column block: on its own it would touch only some of them, and the later
+ * passes would wait on memory instead of finding the tile in L1. */
+static inline void tile_rows(const float *xp, int64_t kp, const uint16_t *tile, int64_t kb,
+                             const int M, const int RP, float *out) {
+    for (int r0 = 0; r0 < 8; r0 += RP) {
+        __m256 acc[8 * BATON_GEMV_MAX_ROWS];
+        for (int i = 0; i < RP * M; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < kb; j++) {
+            const uint16_t *blk = tile + j * 128 + r0 * 16;
+            if (RP < 8 && r0 == 0) {
+                const char *next = (const char *)(tile + (j + 1) * 128);
+                for (int line = 0; line < 256; line += 64)
+                    _mm_prefetch(next + line, _MM_HINT_T0);
+            }
+            for (int r = 0; r < RP; r++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 * r));
+                const __m256 e = bf16_even(v), o = bf16_odd(v);
+                for (int m = 0; m < M; m++) {
+                    const float *xm = xp + m * kp + 16 * j;
+                    acc[r * M + m] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xm), acc[r * M + m]);
+                    acc[r * M + m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xm + 8), acc[r * M + m]);
+                }
+            }
+        }
+        for (int r = 0; r < RP; r++)
+            for (int m = 0; m < M; m++) out[(r0 + r) * M + m] = hsum256(acc[r * M + m]);
+    }
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* One input row: four weight rows at a time, so four independent FMA chains
- * hide the FMA latency (one chain alone runs at a fraction of the bandwidth). */
-static void gemv_one_row(const float *x, const uint16_t *w, const float *bias, float *y,
-                         int64_t N, int64_t K, int num_threads) {
-    const int64_t groups = N / 4;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n = g * 4;
-        const uint16_t *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            const __m256 xv = _mm256_loadu_ps(x + k);
-            a0 = _mm256_fmadd_ps(load_bf16x8(w0 + k), xv, a0);
-            a1 = _mm256_fmadd_ps(load_bf16x8(w1 + k), xv, a1);
-            a2 = _mm256_fmadd_ps(load_bf16x8(w2 + k), xv, a2);
-            a3 = _mm256_fmadd_ps(load_bf16x8(w3 + k), xv, a3);
-        }
-        float o[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
-        for (; k < K; k++) {
-            o[0] += bf16_to_f32(w0[k]) * x[k];
-            o[1] += bf16_to_f32(w1[k]) * x[k];
-            o[2] += bf16_to_f32(w2[k]) * x[k];
-            o[3] += bf16_to_f32(w3[k]) * x[k];
-        }
-        for (int r = 0; r < 4; r++) y[n + r] = o[r] + (bias ? bias[n + r] : 0.0f);
-    }
-    for (int64_t n = groups * 4; n < N; n++) {
-        float o = 0.0f;
-        for (int64_t k = 0; k < K; k++) o += bf16_to_f32(w[n * K + k]) * x[k];
-        y[n] = o + (bias ? bias[n] : 0.0f);
-    }
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-/* M input rows (2..4), two weight rows at a time: 2 * M independent chains.
- * Called with a literal M so the compiler unrolls the m loops and keeps the
- * accumulators in registers. */
-static inline void gemv_rows(const float *x, const uint16_t *w, const float *bias, float *y,
-                             const int64_t M, int64_t N, int64_t K, int num_threads) {
-    const int64_t pairs = N / 2;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t g = 0; g < pairs; g++) {
-        const int64_t n = g * 2;
-        const uint16_t *w0 = w + n * K, *w1 = w0 + K;
-        __m256 a0[GEMV_MAX_ROWS], a1[GEMV_MAX_ROWS];
-        for (int64_t m = 0; m < M; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            const __m256 v0 = load_bf16x8(w0 + k), v1 = load_bf16x8(w1 + k);
+#ifndef BATON_GEMV_AVX2
+/* Portable fallback (compilers without AVX2/FMA for this CPU). */
+static void tile_generic(const float *xp, int64_t kp, const uint16_t *tile, int64_t kb,
+                         int64_t M, float *out) {
+    for (int64_t i = 0; i < 8 * M; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < kb; j++)
+        for (int64_t r = 0; r < 8; r++) {
+            const uint16_t *v = tile + j * 128 + r * 16;
             for (int64_t m = 0; m < M; m++) {
-                const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-                a0[m] = _mm256_fmadd_ps(v0, xv, a0[m]);
-                a1[m] = _mm256_fmadd_ps(v1, xv, a1[m]);
+                const float *xm = xp + m * kp + 16 * j;
+                float s = 0.0f;
+                for (int64_t i = 0; i < 8; i++)
+                    s += bf16_to_f32(v[2 * i]) * xm[i] + bf16_to_f32(v[2 * i + 1]) * xm[8 + i];
+                out[r * M + m] += s;
             }
         }
-        for (int64_t m = 0; m < M; m++) {
-            float o0 = hsum256(a0[m]), o1 = hsum256(a1[m]);
-            for (int64_t kk = k; kk < K; kk++) {
-                o0 += bf16_to_f32(w0[kk]) * x[m * K + kk];
-                o1 += bf16_to_f32(w1[kk]) * x[m * K + kk];
-            }
-            y[m * N + n] = o0 + (bias ? bias[n] : 0.0f);
-            y[m * N + n + 1] = o1 + (bias ? bias[n + 1] : 0.0f);
+}
+#endif
+
+void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, float *y,
+                      int64_t M, int64_t N, int64_t K) {
+    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+    const int64_t kb = kp / BATON_GEMV_TILE_COLS;
+    const int64_t tiles = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < tiles; g++) {
+        const uint16_t *tile = w + g * 8 * kp;
+        float out[8 * BATON_GEMV_MAX_ROWS];
+#ifdef BATON_GEMV_AVX2
+        switch (M) {
+        case 1: tile_one_row(xp, tile, kb, out); break;
+        case 2: tile_rows(xp, kp, tile, kb, 2, 8, out); break;
+        case 3: tile_rows(xp, kp, tile, kb, 3, 4, out); break;
+        default: tile_rows(xp, kp, tile, kb, 4, 4, out); break;
         }
-    }
-    for (int64_t n = pairs * 2; n < N; n++) {
-        for (int64_t m = 0; m < M; m++) {
-            float o = 0.0f;
-            for (int64_t k = 0; k < K; k++) o += bf16_to_f32(w[n * K + k]) * x[m * K + k];
-            y[m * N + n] = o + (bias ? bias[n] : 0.0f);
+#else
+        tile_generic(xp, kp, tile, kb, M, out);
+#endif
+        for (int64_t r = 0; r < 8 && g * 8 + r < N; r++) {
+            const int64_t n = g * 8 + r;
+            const float b = bias ? bias[n] : 0.0f;
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = out[r * M + m] + b;
         }
     }
 }
-#endif
 
 int baton_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *y,
                     int64_t M, int64_t N, int64_t K, int num_threads) {
-    if (M < 1 || M > GEMV_MAX_ROWS) return 1;
-#if defined(__AVX2__) && defined(__FMA__)
-    switch (M) {
-    case 1: gemv_one_row(x, w, bias, y, N, K, num_threads); return 0;
-    case 2: gemv_rows(x, w, bias, y, 2, N, K, num_threads); return 0;
-    case 3: gemv_rows(x, w, bias, y, 3, N, K, num_threads); return 0;
-    case 4: gemv_rows(x, w, bias, y, 4, N, K, num_threads); return 0;
-    }
-#endif
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *wn = w + n * K;
-        float out[GEMV_MAX_ROWS] = {0};
-        int64_t k = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        __m256 acc[GEMV_MAX_ROWS];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (; k + 8 <= K; k += 8) {
-            const __m256 wv = load_bf16x8(wn + k);
-            for (int64_t m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
-        }
-        for (int64_t m = 0; m < M; m++) out[m] = hsum256(acc[m]);
-#endif
-        for (; k < K; k++) {
-            const float wk = bf16_to_f32(wn[k]);
-            for (int64_t m = 0; m < M; m++) out[m] += wk * x[m * K + k];
-        }
-        const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = out[m] + b;
-    }
+    if (M < 1 || M > BATON_GEMV_MAX_ROWS) return 1;
+    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+    float *xp = (float *)malloc(sizeof(float) * M * kp);
+    if (xp == NULL) return 2;
+    for (int64_t m = 0; m < M; m++) baton_gemv_permute(x + m * K, xp + m * kp, K);
+    #pragma omp parallel num_threads(num_threads)
+    baton_gemv_tiles(xp, w, bias, y, M, N, K);
+    free(xp);
     return 0;
 }

@@ -88,6 +88,9 @@ class DecoderLM(nn.Module):
         # Set by the backend to backends.kernels.FusedOps on CPU in float32:
         # forward then makes one native call per elementwise step.
         self.fused_ops = None
+        # Set by the backend to backends.kernels.DecodeBf16 (CPU, bf16
+        # weights): a decode step of a few sequences is then one native call.
+        self.native_decode = None
         self.requires_grad_(False)
 
     @property
@@ -101,6 +104,11 @@ class DecoderLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]."""
+        native = self.native_decode
+        if (native is not None and not meta.prefills and meta.decode_kernel is not None
+                and meta.num_decode == input_ids.shape[0] <= native.max_rows):
+            return native(self.embed_tokens(input_ids), positions, meta.slot_mapping,
+                          meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
         if self.fused_ops is not None:
             return self._forward_fused(input_ids, positions, cos_table, sin_table, kv_caches,
                                        meta)

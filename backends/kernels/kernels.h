@@ -1,0 +1,90 @@
+/* What the kernel sources share: row-level helpers (inline) and the workers
+ * that run inside a caller's OpenMP parallel region (orphaned `omp for`), so
+ * the whole-model decode (decode_bf16.c) can chain them in one region.
+ *
+ * Float32 everywhere except the weights of the bf16 matrix-vector kernel.
+ */
+#ifndef BATON_KERNELS_H
+#define BATON_KERNELS_H
+
+#include <math.h>
+#include <stdint.h>
+
+/* ---------------------------------------------------------------- rows */
+static inline float baton_inv_rms(const float *x, int64_t n, float eps) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+/* [x += delta;] out = rms_norm(x) * w */
+static inline void baton_rms_norm_row(float *x, const float *delta, const float *w, float *out,
+                                      int64_t n, float eps) {
+    if (delta != 0) {
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) x[i] += delta[i];
+    }
+    const float inv = baton_inv_rms(x, n, eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+/* out = silu(gate) * up */
+static inline void baton_silu_mul_row(const float *gate, const float *up, float *out,
+                                      int64_t n) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* One token's q/k/v row [(H + 2 * KVH) * D]: optional per-head RMSNorm of q
+ * and k, rotary embedding at `position`, k and v stored at `slot` of the
+ * caches [slots, KVH, D], rotated q written to q_out [H, D]. */
+void baton_qkv_rope_store_row(const float *row, int64_t H, int64_t KVH, int64_t D,
+                              int64_t position, const float *cos_table,
+                              const float *sin_table, const float *q_norm,
+                              const float *k_norm, float eps, int64_t slot,
+                              float *k_cache, float *v_cache, float *q_out);
+
+/* ------------------------------------------------------------ attention */
+/* Decode attention of query row t over its first ctx_lens[t] positions, for
+ * query heads h0..h1-1 (whole kv-head groups). scores: H * max_ctx floats,
+ * acc: H * D floats, both owned by the calling thread. */
+void baton_attention_task(const float *q, const float *k_cache, const float *v_cache,
+                          const int64_t *block_tables, const int64_t *ctx_lens, float *out,
+                          int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
+                          int64_t D, int64_t max_blocks, int64_t block_size, float scale,
+                          float *scores, float *acc);
+
+/* ------------------------------------------------------- bf16 gemv */
+/* Weights for the gemv are tiled: rows padded to a multiple of 8, columns to
+ * a multiple of 16, and stored tile by tile, [N/8][K/16][8][16], so each
+ * thread streams one contiguous range. Activations are permuted to match
+ * (see baton_gemv_permute): within every 16 columns, the 8 even ones, then
+ * the 8 odd ones, because that is how two bf16 values sharing a 32-bit lane
+ * widen to float32 in one instruction each. */
+#define BATON_GEMV_TILE_ROWS 8
+#define BATON_GEMV_TILE_COLS 16
+#define BATON_GEMV_MAX_ROWS 4
+
+static inline int64_t baton_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/* x [K] -> xp [round_up(K, 16)], permuted, zero-padded */
+static inline void baton_gemv_permute(const float *x, float *xp, int64_t K) {
+    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+    for (int64_t k0 = 0; k0 < kp; k0 += 16) {
+        for (int64_t i = 0; i < 8; i++) {
+            const int64_t e = k0 + 2 * i, o = e + 1;
+            xp[k0 + i] = e < K ? x[e] : 0.0f;
+            xp[k0 + 8 + i] = o < K ? x[o] : 0.0f;
+        }
+    }
+}
+
+/* y [M, N] = x @ W^T (+ bias) with xp [M, round_up(K, 16)] permuted rows and
+ * W tiled. Worksharing loop: call from every thread of a parallel region
+ * (or outside one, serially). Ends with the loop's barrier. */
+void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, float *y,
+                      int64_t M, int64_t N, int64_t K);
+
+#endif
