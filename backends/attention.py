@@ -50,9 +50,10 @@ class AttentionMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V. Caches are [num_slots, kv_heads, head_dim]."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    """Store the new tokens' K/V. Caches are [num_slots, kv_heads, head_dim],
+    in the compute dtype or a narrower one (rounded on the way in)."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -73,15 +74,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[:d] = decoded
     elif d:
         # [D, NB, bs, kv, hd] -> [D, kv, NB * bs, hd]
-        k = k_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2)
-        v = v_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2)
+        k = k_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        v = v_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
         out[:d] = F.scaled_dot_product_attention(
             q[:d].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)
     for seg in meta.prefills:
         qs = q[seg.token_start:seg.token_end].transpose(0, 1).unsqueeze(0)
-        k = k_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0)
-        v = v_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        k = k_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        v = v_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seg.mask, scale=scale,
                                            enable_gqa=True)
         out[seg.token_start:seg.token_end] = o.squeeze(0).transpose(0, 1)

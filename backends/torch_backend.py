@@ -54,7 +54,8 @@ class TorchBackend:
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                  max_positions: int | None = None, seed: int | None = None,
                  quantization: QuantizationSpec | None = None,
-                 prepack: bool = True, native_kernels: bool = True) -> None:
+                 prepack: bool = True, native_kernels: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.config = loaded.config
@@ -77,9 +78,13 @@ class TorchBackend:
             from backends.kernels import gemv_bf16
             gemv = gemv_bf16()
         self.bf16_weights = gemv is not None
-        # The dtype of activations, the KV cache and the rope tables.
+        # The dtype of activations and the rope tables.
         self.compute_dtype = torch.float32 if self.bf16_weights else dtype
         act = self.compute_dtype
+        # The KV cache keeps the model's dtype (as transformers and vLLM do):
+        # in the bf16-weights mode that is bf16, half the bytes decode
+        # attention reads, rounded when stored, widened when read.
+        self.kv_dtype = kv_dtype or (torch.bfloat16 if self.bf16_weights else act)
         if self.quantization.enabled:
             from backends.quantization import load_quantized
             load_quantized(self.model, loaded.weights, self.quantization, self.device, dtype)
@@ -111,11 +116,12 @@ class TorchBackend:
         # Zeroed, not empty: padded attention reads masked slots, and garbage
         # NaNs there would survive a zero attention weight (0 * nan = nan).
         self.kv_caches = [
-            (torch.zeros(shape, dtype=act, device=self.device),
-             torch.zeros(shape, dtype=act, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.config.num_layers)]
         self.decode_kernel = None
-        if native_kernels and self.device.type == "cpu" and act == torch.float32:
+        if (native_kernels and self.device.type == "cpu" and act == torch.float32
+                and self.kv_dtype in (torch.float32, torch.bfloat16)):
             from backends.kernels import FusedOps, fused_ops, paged_decode_attention
             kernel = paged_decode_attention()
             c = self.config
@@ -164,7 +170,7 @@ class TorchBackend:
         return self.num_kv_blocks * self.block_size
 
     def _blocks_for_budget(self, kv_cache_bytes: int | None) -> int:
-        per_block = kv_bytes_per_token(self.config, self.compute_dtype) * self.block_size
+        per_block = kv_bytes_per_token(self.config, self.kv_dtype) * self.block_size
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
                 free, _total = torch.cuda.mem_get_info(self.device)

@@ -39,6 +39,8 @@ def main() -> None:
                     help="torch attention path instead of the native decode kernel")
     ap.add_argument("--no-prepack", action="store_true",
                     help="keep plain nn.Linear (no oneDNN weight prepacking)")
+    ap.add_argument("--kv-dtype", default=None, choices=sorted(DTYPES),
+                    help="KV cache dtype (default: the backend's choice)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -50,7 +52,8 @@ def main() -> None:
     backend = TorchBackend(loaded, dtype=dtype, block_size=bs,
                            num_kv_blocks=args.batch * blocks_per + 1,
                            prepack=not args.no_prepack,
-                           native_kernels=not args.no_kernels)
+                           native_kernels=not args.no_kernels,
+                           kv_dtype=DTYPES[args.kv_dtype] if args.kv_dtype else None)
     params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size

@@ -89,8 +89,8 @@ def create_engine(args: EngineArgs) -> EngineCore:
     log.info("model loaded: %s, %.1fM parameters, dtype %s, quantization %s, weights %.0f MiB, "
              "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, %.1fs",
              loaded.source or config.name, backend.num_parameters / 1e6,
-             args.dtype + (" (bfloat16 weights, float32 arithmetic: this CPU has no native "
-                           "bfloat16)" if getattr(backend, "bf16_weights", False) else ""),
+             args.dtype + (" (bfloat16 weights and KV cache, float32 arithmetic: this CPU "
+                           "has no native bfloat16)" if getattr(backend, "bf16_weights", False) else ""),
              quantization.describe(), resident_weight_bytes(backend.model) / 2**20,
              args.device, backend.kv_capacity_tokens, backend.num_kv_blocks,
              args.block_size, max_model_len, time.perf_counter() - t0)

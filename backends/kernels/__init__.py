@@ -105,14 +105,14 @@ def _load() -> ctypes.CDLL:
     else:
         raise RuntimeError("; ".join(errors))
     fn = lib.baton_paged_decode_attention_f32
-    fn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64,
-                   ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [_p, _p, _p, ctypes.c_int, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64,
+                   _i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.baton_rms_norm_f32.argtypes = [_p, _p, _p, _p, _i64, _i64, ctypes.c_float, ctypes.c_int]
     lib.baton_silu_mul_f32.argtypes = [_p, _p, _i64, _i64, ctypes.c_int]
     lib.baton_qkv_rope_store_f32.argtypes = [
-        _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, ctypes.c_float, _p, _p, _p, _p,
-        ctypes.c_int]
+        _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, ctypes.c_float, _p, _p, _p,
+        ctypes.c_int, _p, ctypes.c_int]
     lib.baton_gemv_bf16.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
     lib.baton_gemv_bf16_max_rows.argtypes = []
     lib.baton_decode_bf16.argtypes = [_p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
@@ -141,8 +141,15 @@ def load() -> ctypes.CDLL | None:
         return lib
 
 
+def _kv_bf16(cache: torch.Tensor) -> int:
+    if cache.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native kernels take a float32 or bfloat16 KV cache, not {cache.dtype}")
+    return int(cache.dtype == torch.bfloat16)
+
+
 class PagedDecodeAttention:
-    """Callable wrapper: float32 decode attention over the paged pool."""
+    """Callable wrapper: float32 decode attention over the paged pool (the
+    pool float32 or bfloat16)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.baton_paged_decode_attention_f32
@@ -158,7 +165,7 @@ class PagedDecodeAttention:
         t, h, d = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
-        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _kv_bf16(k_cache),
                       block_tables.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
                       t, h, k_cache.shape[1], d, block_tables.shape[1], block_size, max_ctx,
                       scale, torch.get_num_threads())
@@ -210,13 +217,14 @@ class FusedOps:
                        sin_table: torch.Tensor, q_norm: torch.Tensor | None,
                        k_norm: torch.Tensor | None, eps: float, slot_mapping: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Rotated q [T, heads, head_dim]; rotated k and v stored in the caches."""
+        """Rotated q [T, heads, head_dim]; rotated k and v stored in the caches
+        (float32, or bfloat16 rounded to nearest even)."""
         t = qkv.shape[0]
         q = qkv.new_empty(t, num_heads, head_dim)
         self._qkv(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
                   cos_table.data_ptr(), sin_table.data_ptr(), _ptr(q_norm), _ptr(k_norm), eps,
                   slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                  q.data_ptr(), torch.get_num_threads())
+                  _kv_bf16(k_cache), q.data_ptr(), torch.get_num_threads())
         return q
 
 
@@ -275,15 +283,16 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [*[(name, _i64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-        "block_size")],
+        "block_size", "kv_bf16")],
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos_table", _p), ("sin_table", _p), ("final_norm", _p), ("layers", _p)]
 
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One layer's tensors for ``DecodeBf16``: norms, bias and caches float32;
-    matrices tiled bfloat16 (``GemvBf16.tile``); bias and q/k norms optional."""
+    """One layer's tensors for ``DecodeBf16``: norms and bias float32; caches
+    float32 or bfloat16 (all layers alike); matrices tiled bfloat16
+    (``GemvBf16.tile``); bias and q/k norms optional."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -331,7 +340,8 @@ class DecodeBf16:
         self._model = _Model(
             num_layers=len(layers), hidden=hidden, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
-            block_size=block_size, eps=eps, scale=head_dim ** -0.5,
+            block_size=block_size, kv_bf16=_kv_bf16(layers[0].k_cache) if layers else 0,
+            eps=eps, scale=head_dim ** -0.5,
             cos_table=cos_table.data_ptr(), sin_table=sin_table.data_ptr(),
             final_norm=final_norm.data_ptr(), layers=ctypes.addressof(self._layers))
 

@@ -1,6 +1,7 @@
 /* A whole decode step of a Llama/Qwen2/Qwen3 decoder in one call, for a few
  * sequences (1..BATON_GEMV_MAX_ROWS), with bfloat16 weights (kernels.h's
- * tiled layout) and float32 arithmetic, activations and KV cache.
+ * tiled layout), float32 arithmetic and activations, and a float32 or
+ * bfloat16 KV cache.
  *
  * Decoding one sequence is bound by reading the weights: ~270 MB for
  * SmolLM2-135M in bf16, ~10 ms at this class of machine's memory bandwidth.
@@ -28,11 +29,12 @@
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias, *q_norm, *k_norm;  /* bias, q/k norms may be NULL */
     const uint16_t *qkv_w, *o_w, *gate_up_w, *down_w;                   /* tiled bf16 */
-    float *k_cache, *v_cache;                                           /* [slots, KVH, D] */
+    void *k_cache, *v_cache;                     /* [slots, KVH, D], float32 or bf16 */
 } baton_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int64_t kv_bf16;                                                    /* cache dtype */
     float eps, scale;
     const float *cos_table, *sin_table, *final_norm;
     const baton_layer *layers;
@@ -97,14 +99,15 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                 baton_qkv_rope_store_row(qkv + t * NQKV, H, KVH, D, positions[t],
                                          m->cos_table, m->sin_table, ly->q_norm, ly->k_norm,
                                          eps, slot_mapping[t], ly->k_cache, ly->v_cache,
-                                         q + t * Q);
+                                         (int)m->kv_bf16, q + t * Q);
 
             /* One task per (row, kv head): with one row, every thread works. */
             #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < M * KVH; task++) {
                 if (!ok) continue;
                 const int64_t h0 = (task % KVH) * (H / KVH);
-                baton_attention_task(q, ly->k_cache, ly->v_cache, block_tables, ctx_lens,
+                baton_attention_task(q, ly->k_cache, ly->v_cache, (int)m->kv_bf16,
+                                     block_tables, ctx_lens,
                                      attn, task / KVH, h0, h0 + H / KVH, H, KVH, D,
                                      max_blocks, m->block_size, m->scale, scores, acc);
             }

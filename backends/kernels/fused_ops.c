@@ -6,8 +6,8 @@
  *   rms_norm        [residual += delta;] out = rms_norm(residual) * w
  *   silu_mul        out = silu(gate) * up, gate_up = [T, 2 * I]
  *   qkv_rope_store  per-head q/k RMSNorm (Qwen3, optional), rotary embedding
- *                   (rotate-half layout), K/V written into their cache slots,
- *                   rotated q written out.
+ *                   (rotate-half layout), K/V written into their cache slots
+ *                   (float32 or bfloat16 caches), rotated q written out.
  * Row-parallel on the process's OpenMP pool (torch's libgomp).
  */
 #include "kernels.h"
@@ -46,10 +46,10 @@ void baton_qkv_rope_store_row(const float *row, int64_t H, int64_t KVH, int64_t 
                               int64_t position, const float *cos_table,
                               const float *sin_table, const float *q_norm,
                               const float *k_norm, float eps, int64_t slot,
-                              float *k_cache, float *v_cache, float *q_out) {
+                              void *k_cache, void *v_cache, int kv_bf16, float *q_out) {
     const float *cos_p = cos_table + position * D;
     const float *sin_p = sin_table + position * D;
-    float tmp[1024];
+    float tmp[1024], rot[1024];
     for (int64_t h = 0; h < H + KVH; h++) {
         const float *x = row + h * D;
         const float *nw = h < H ? q_norm : k_norm;
@@ -58,19 +58,29 @@ void baton_qkv_rope_store_row(const float *row, int64_t H, int64_t KVH, int64_t 
             for (int64_t i = 0; i < D; i++) tmp[i] = nw[i] * (x[i] * inv);
             x = tmp;
         }
-        float *dst = h < H ? q_out + h * D : k_cache + (slot * KVH + (h - H)) * D;
-        rope_row(x, dst, cos_p, sin_p, D);
+        if (h < H) {
+            rope_row(x, q_out + h * D, cos_p, sin_p, D);
+        } else if (kv_bf16) {
+            rope_row(x, rot, cos_p, sin_p, D);
+            baton_store_bf16(rot, (uint16_t *)k_cache + (slot * KVH + (h - H)) * D, D);
+        } else {
+            rope_row(x, (float *)k_cache + (slot * KVH + (h - H)) * D, cos_p, sin_p, D);
+        }
     }
     const float *v = row + (H + KVH) * D;
-    float *vdst = v_cache + slot * KVH * D;
-    for (int64_t i = 0; i < KVH * D; i++) vdst[i] = v[i];
+    if (kv_bf16) {
+        baton_store_bf16(v, (uint16_t *)v_cache + slot * KVH * D, KVH * D);
+    } else {
+        float *vdst = (float *)v_cache + slot * KVH * D;
+        for (int64_t i = 0; i < KVH * D; i++) vdst[i] = v[i];
+    }
 }
 
 int baton_qkv_rope_store_f32(
         const float *qkv, int64_t T, int64_t H, int64_t KVH, int64_t D,
         const int64_t *positions, const float *cos_table, const float *sin_table,
         const float *q_norm, const float *k_norm, float eps,
-        const int64_t *slot_mapping, float *k_cache, float *v_cache, float *q_out,
+        const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_bf16, float *q_out,
         int num_threads) {
     if (D > 1024) return 1;
     const int64_t width = (H + 2 * KVH) * D;
@@ -78,6 +88,6 @@ int baton_qkv_rope_store_f32(
     for (int64_t t = 0; t < T; t++)
         baton_qkv_rope_store_row(qkv + t * width, H, KVH, D, positions[t], cos_table,
                                  sin_table, q_norm, k_norm, eps, slot_mapping[t], k_cache,
-                                 v_cache, q_out + t * H * D);
+                                 v_cache, kv_bf16, q_out + t * H * D);
     return 0;
 }

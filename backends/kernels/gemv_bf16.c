@@ -18,8 +18,7 @@
 
 #include "kernels.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#ifdef BATON_AVX2
 #define BATON_GEMV_AVX2 1
 #endif
 
@@ -92,13 +91,6 @@ static inline void tile_rows(const float *xp, int64_t kp, const uint16_t *tile, 
 }
 #endif
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 #ifndef BATON_GEMV_AVX2
 /* Portable fallback (compilers without AVX2/FMA for this CPU). */
 static void tile_generic(const float *xp, int64_t kp, const uint16_t *tile, int64_t kb,
@@ -111,7 +103,7 @@ static void tile_generic(const float *xp, int64_t kp, const uint16_t *tile, int6
                 const float *xm = xp + m * kp + 16 * j;
                 float s = 0.0f;
                 for (int64_t i = 0; i < 8; i++)
-                    s += bf16_to_f32(v[2 * i]) * xm[i] + bf16_to_f32(v[2 * i + 1]) * xm[8 + i];
+                    s += baton_bf16_to_f32(v[2 * i]) * xm[i] + baton_bf16_to_f32(v[2 * i + 1]) * xm[8 + i];
                 out[r * M + m] += s;
             }
         }

@@ -10,6 +10,67 @@
 #include <math.h>
 #include <stdint.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define BATON_AVX2 1
+#endif
+
+/* ------------------------------------------------------------ bfloat16 */
+static inline float baton_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN. */
+static inline uint16_t baton_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline void baton_store_bf16(const float *x, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = baton_f32_to_bf16(x[i]);
+}
+
+/* sum(x[i] * y[i]) with y in bfloat16 */
+static inline float baton_dot_bf16(const float *x, const uint16_t *y, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#ifdef BATON_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m256i y16 = _mm256_loadu_si256((const __m256i *)(y + i));
+        const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm256_castsi256_si128(y16)), 16));
+        const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm256_extracti128_si256(y16, 1)), 16));
+        a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + i + 8), a1);
+    }
+    a0 = _mm256_add_ps(a0, a1);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+    s = _mm_cvtss_f32(r);
+#endif
+    for (; i < n; i++) s += x[i] * baton_bf16_to_f32(y[i]);
+    return s;
+}
+
+/* acc[i] += a * y[i] with y in bfloat16 */
+static inline void baton_axpy_bf16(float a, const uint16_t *y, float *acc, int64_t n) {
+    int64_t i = 0;
+#ifdef BATON_AVX2
+    const __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 yv = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(y + i))), 16));
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(av, yv, _mm256_loadu_ps(acc + i)));
+    }
+#endif
+    for (; i < n; i++) acc[i] += a * baton_bf16_to_f32(y[i]);
+}
+
 /* ---------------------------------------------------------------- rows */
 static inline float baton_inv_rms(const float *x, int64_t n, float eps) {
     float ss = 0.0f;
@@ -39,18 +100,21 @@ static inline void baton_silu_mul_row(const float *gate, const float *up, float 
 
 /* One token's q/k/v row [(H + 2 * KVH) * D]: optional per-head RMSNorm of q
  * and k, rotary embedding at `position`, k and v stored at `slot` of the
- * caches [slots, KVH, D], rotated q written to q_out [H, D]. */
+ * caches [slots, KVH, D] (float32, or bfloat16 when kv_bf16), rotated q
+ * written to q_out [H, D]. D <= 1024. */
 void baton_qkv_rope_store_row(const float *row, int64_t H, int64_t KVH, int64_t D,
                               int64_t position, const float *cos_table,
                               const float *sin_table, const float *q_norm,
                               const float *k_norm, float eps, int64_t slot,
-                              float *k_cache, float *v_cache, float *q_out);
+                              void *k_cache, void *v_cache, int kv_bf16, float *q_out);
 
 /* ------------------------------------------------------------ attention */
 /* Decode attention of query row t over its first ctx_lens[t] positions, for
- * query heads h0..h1-1 (whole kv-head groups). scores: H * max_ctx floats,
- * acc: H * D floats, both owned by the calling thread. */
-void baton_attention_task(const float *q, const float *k_cache, const float *v_cache,
+ * query heads h0..h1-1 (whole kv-head groups); the caches hold float32, or
+ * bfloat16 when kv_bf16. scores: H * max_ctx floats, acc: H * D floats, both
+ * owned by the calling thread. */
+void baton_attention_task(const float *q, const void *k_cache, const void *v_cache,
+                          int kv_bf16,
                           const int64_t *block_tables, const int64_t *ctx_lens, float *out,
                           int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
                           int64_t D, int64_t max_blocks, int64_t block_size, float scale,
