@@ -76,6 +76,7 @@ class StartedServer:
 
     def __init__(self, name: str, command: str, log_dir: Path) -> None:
         self.name = name
+        log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"compare-{name}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(command, shell=True, stdout=self._log,

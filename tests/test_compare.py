@@ -85,13 +85,16 @@ def test_started_servers_are_measured_then_stopped(tmp_path):
     ports = [_free_port(), _free_port()]
     argv = [sys.executable, str(ROOT / "benchmarks" / "compare.py"),
             "--concurrency", "1", "2", "--num-requests", "2", "2",
-            "--prompt-len", "4", "--output-len", "3", "--log-dir", str(tmp_path)]
+            "--prompt-len", "4", "--output-len", "3", "--log-dir", str(tmp_path / "logs")]
     for name, port in zip(("a", "b"), ports):
         argv += ["--server", f"{name}=http://127.0.0.1:{port}",
                  "--start", f"{name}={sys.executable} {script} {port}"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "| a |" in out.stdout and "| b |" in out.stdout
+    # The log folder is created when missing; each started server has a log.
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "compare-a.log", "compare-b.log"]
     time.sleep(0.5)
     for port in ports:  # both stopped: nothing listens any more
         with socket.socket() as s:
