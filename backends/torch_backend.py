@@ -161,9 +161,20 @@ class TorchBackend:
 
     @property
     def num_parameters(self) -> int:
-        packed = sum(m.packed_weight.numel() for m in self.model.layers.modules()
-                     if isinstance(m, (PackedLinear, Bf16WeightLinear)))
-        return packed + sum(p.numel() for p in self.model.parameters())
+        """The trained model's parameter count, whatever the storage: linear
+        layers (plain, prepacked, bf16-tiled or quantized, all with
+        in/out_features) by their shape, everything else by its parameters;
+        the prepacked output projection is a copy and not counted."""
+        total = 0
+        for module in self.model.layers.modules():
+            if hasattr(module, "in_features") and hasattr(module, "out_features"):
+                bias = getattr(module, "bias", None)
+                total += module.in_features * module.out_features
+                total += bias.numel() if bias is not None else 0
+        linear_params = {id(p) for m in self.model.layers.modules()
+                         if hasattr(m, "in_features") for p in m.parameters(recurse=False)}
+        return total + sum(p.numel() for p in self.model.parameters()
+                           if id(p) not in linear_params)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -488,3 +488,16 @@ def test_quality_on_the_embedded_model(quality_module):
         # int8: 1 byte per projection weight; int4 and gguf: ~0.6; the
         # float32 embedding (28M of 135M parameters) stays.
         assert sizes[label] < 0.45 * 2 * sizes[q.REFERENCE], (label, sizes)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(dtype="bfloat16"), dict(quantization="int8"),
+    dict(quantization="int4", quantization_group_size=32)])
+def test_num_parameters_counts_the_model_not_its_storage(tiny_llama_dir, kwargs):
+    """The load log's parameter count is the trained model's, whether the
+    linears are plain, prepacked, bf16-tiled or quantized."""
+    from backends.loader import load_model
+    loaded = load_model(tiny_llama_dir, dtype=torch.float32)
+    expected = sum(t.numel() for name, t in loaded.weights.items()
+                   if not (name == "lm_head.weight" and loaded.config.tie_word_embeddings))
+    assert make_engine(tiny_llama_dir, **kwargs).backend.num_parameters == expected
