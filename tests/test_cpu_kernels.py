@@ -136,6 +136,25 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     assert "LIB None" in out.stdout and "disabled" in out.stdout
 
 
+def test_portable_build_passes_the_same_tests(kernel, tmp_path):
+    """The C kernels' portable paths (no AVX2/FMA: other x86 CPUs, ARM) are
+    built with BATON_KERNEL_PORTABLE=1 and must pass this file's kernel and
+    bf16 tests too; on this machine they would otherwise never run."""
+    env = dict(os.environ, BATON_KERNEL_PORTABLE="1", BATON_KERNEL_CACHE=str(tmp_path))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import backends.kernels as k; print('AVX2', k.load().baton_kernels_avx2())"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr
+    assert "AVX2 0" in probe.stdout
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "kernel_matches or ignores_slots or gemv or one_function or bf16_on_cpu "
+               "or rounds_like"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout
+
+
 @pytest.fixture(scope="module")
 def packing():
     if not packing_supported(torch.device("cpu"), torch.float32):

@@ -96,7 +96,10 @@ def _compile(sources: list[Path], flags: list[str]) -> Path:
 
 def _load() -> ctypes.CDLL:
     errors = []
-    for flags in _FLAG_SETS:
+    # BATON_KERNEL_PORTABLE=1 builds without -march=native: the portable C
+    # paths (what a CPU without AVX2/FMA, or a non-x86 one, runs), for tests.
+    portable = os.environ.get("BATON_KERNEL_PORTABLE") == "1"
+    for flags in _FLAG_SETS[1:] if portable else _FLAG_SETS:
         try:
             lib = ctypes.CDLL(str(_compile(_SOURCES, flags)))
             break
@@ -117,9 +120,10 @@ def _load() -> ctypes.CDLL:
     lib.baton_gemv_bf16_max_rows.argtypes = []
     lib.baton_decode_bf16.argtypes = [_p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
     lib.baton_decode_bf16_struct_sizes.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
+    lib.baton_kernels_avx2.argtypes = []
     for fn in (lib.baton_rms_norm_f32, lib.baton_silu_mul_f32, lib.baton_qkv_rope_store_f32,
                lib.baton_gemv_bf16, lib.baton_gemv_bf16_max_rows, lib.baton_decode_bf16,
-               lib.baton_decode_bf16_struct_sizes):
+               lib.baton_decode_bf16_struct_sizes, lib.baton_kernels_avx2):
         fn.restype = ctypes.c_int
     return lib
 

@@ -24,6 +24,15 @@
 
 int baton_gemv_bf16_max_rows(void) { return BATON_GEMV_MAX_ROWS; }
 
+/* 1 when this build has the AVX2/FMA paths, 0 when only the portable ones. */
+int baton_kernels_avx2(void) {
+#ifdef BATON_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #ifdef BATON_GEMV_AVX2
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -58,36 +67,25 @@ static inline void tile_one_row(const float *xp, const uint16_t *tile, int64_t k
     for (int r = 0; r < 8; r++) out[r] = hsum256(_mm256_add_ps(a[r], b[r]));
 }
 
-/* M input rows against one tile, RP of its rows per pass (RP * M
- * accumulators, mostly in registers). Called with literal M and RP. With
- * several passes, the first one prefetches every cache line of the next
- * column block: on its own it would touch only some of them, and the later
- * passes would wait on memory instead of finding the tile in L1. */
-static inline void tile_rows(const float *xp, int64_t kp, const uint16_t *tile, int64_t kb,
-                             const int M, const int RP, float *out) {
-    for (int r0 = 0; r0 < 8; r0 += RP) {
-        __m256 acc[8 * BATON_GEMV_MAX_ROWS];
-        for (int i = 0; i < RP * M; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < kb; j++) {
-            const uint16_t *blk = tile + j * 128 + r0 * 16;
-            if (RP < 8 && r0 == 0) {
-                const char *next = (const char *)(tile + (j + 1) * 128);
-                for (int line = 0; line < 256; line += 64)
-                    _mm_prefetch(next + line, _MM_HINT_T0);
-            }
-            for (int r = 0; r < RP; r++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 * r));
-                const __m256 e = bf16_even(v), o = bf16_odd(v);
-                for (int m = 0; m < M; m++) {
-                    const float *xm = xp + m * kp + 16 * j;
-                    acc[r * M + m] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xm), acc[r * M + m]);
-                    acc[r * M + m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xm + 8), acc[r * M + m]);
-                }
+/* Two input rows against one tile: 16 accumulators, the most that stay in
+ * registers next to the weights. */
+static inline void tile_two_rows(const float *xp, int64_t kp, const uint16_t *tile,
+                                 int64_t kb, float *out) {
+    __m256 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kb; j++) {
+        const uint16_t *blk = tile + j * 128;
+        for (int r = 0; r < 8; r++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 * r));
+            const __m256 e = bf16_even(v), o = bf16_odd(v);
+            for (int m = 0; m < 2; m++) {
+                const float *xm = xp + m * kp + 16 * j;
+                acc[r * 2 + m] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xm), acc[r * 2 + m]);
+                acc[r * 2 + m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xm + 8), acc[r * 2 + m]);
             }
         }
-        for (int r = 0; r < RP; r++)
-            for (int m = 0; m < M; m++) out[(r0 + r) * M + m] = hsum256(acc[r * M + m]);
     }
+    for (int i = 0; i < 16; i++) out[i] = hsum256(acc[i]);
 }
 #endif
 
@@ -120,11 +118,28 @@ void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, flo
         const uint16_t *tile = w + g * 8 * kp;
         float out[8 * BATON_GEMV_MAX_ROWS];
 #ifdef BATON_GEMV_AVX2
+        /* Two input rows against all eight tile rows is the widest that
+         * stays in registers; a third and fourth row take a second pass over
+         * the tile, which is in L1 by then. out[r * M + m]. */
+        float a[16], b[16];
         switch (M) {
         case 1: tile_one_row(xp, tile, kb, out); break;
-        case 2: tile_rows(xp, kp, tile, kb, 2, 8, out); break;
-        case 3: tile_rows(xp, kp, tile, kb, 3, 4, out); break;
-        default: tile_rows(xp, kp, tile, kb, 4, 4, out); break;
+        case 2: tile_two_rows(xp, kp, tile, kb, out); break;
+        default:
+            tile_two_rows(xp, kp, tile, kb, a);
+            if (M == 3) tile_one_row(xp + 2 * kp, tile, kb, b);
+            else tile_two_rows(xp + 2 * kp, kp, tile, kb, b);
+            for (int r = 0; r < 8; r++) {
+                out[r * M] = a[r * 2];
+                out[r * M + 1] = a[r * 2 + 1];
+                if (M == 3) {
+                    out[r * 3 + 2] = b[r];
+                } else {
+                    out[r * 4 + 2] = b[r * 2];
+                    out[r * 4 + 3] = b[r * 2 + 1];
+                }
+            }
+            break;
         }
 #else
         tile_generic(xp, kp, tile, kb, M, out);
