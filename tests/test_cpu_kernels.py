@@ -318,3 +318,22 @@ def test_bf16_on_cpu_without_native_bf16_uses_bf16_weights(kernel, packing, requ
         # step of a lone one-token prompt (a decode at position 0).
         steps = 9 if n == 1 else 8
         assert counting.rows == ([n] * steps if n <= counting.max_rows else [])
+
+
+def test_every_kernel_source_ships_in_the_package():
+    """The kernels compile from sources at run time, so an installed Baton
+    (wheel, Docker image) needs every .c/.h file: pyproject's package-data
+    must match each one."""
+    import fnmatch
+    import tomllib
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["backends"]
+    kernel_dir = ROOT / "backends" / "kernels"
+    sources = [p.relative_to(ROOT / "backends").as_posix() for p in kernel_dir.iterdir()
+               if p.suffix in (".c", ".h")]
+    assert sources
+    from backends import kernels
+    assert {p.name for p in (*kernels._SOURCES, *kernels._HEADERS)} == {
+        p.rsplit("/", 1)[-1] for p in sources}
+    for src in sources:
+        assert any(fnmatch.fnmatch(src, pat) for pat in patterns), src
