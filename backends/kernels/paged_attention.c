@@ -49,92 +49,139 @@ static inline __m256 load8_bf16(const void *base, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* [sum(a0), sum(a1), ..., sum(a7)] */
-static inline __m256 hsum8x8(const __m256 *a) {
-    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                         _mm256_permute2f128_ps(u0, u1, 0x31));
+/* Query heads sharing a kv head: each K and V vector is loaded (for bf16,
+ * widened) once for all of them. Scores take four positions by up to three
+ * heads at a time: 12 independent FMA chains (one dot product at a time
+ * waited on each FMA's latency). */
+static inline __m256 load8(const void *base, int64_t i, const int bf16) {
+    return bf16 ? load8_bf16(base, i) : load8_f32(base, i);
 }
 
-/* acc[0..8*NV) += sum over positions of w[p] * v[p][d0..d0+8*NV), the
- * accumulators in registers; called with a literal NV. */
-#define DEFINE_PV_CHUNK(NAME, LOAD)                                                    \
-static inline void NAME(const float *w, const void *v_cache, const int64_t *table,     \
-                        int64_t n, int64_t block_size, int64_t row, int64_t off,       \
-                        float *acc, const int NV) {                                    \
-    __m256 a[8];                                                                       \
-    for (int v = 0; v < NV; v++) a[v] = _mm256_setzero_ps();                           \
-    for (int64_t p0 = 0; p0 < n; p0 += block_size) {                                   \
-        const int64_t base = table[p0 / block_size] * block_size * row + off;          \
-        const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;               \
-        for (int64_t i = 0; i < m; i++) {                                              \
-            const __m256 wv = _mm256_set1_ps(w[p0 + i]);                               \
-            for (int v = 0; v < NV; v++)                                               \
-                a[v] = _mm256_fmadd_ps(wv, LOAD(v_cache, base + i * row + 8 * v), a[v]); \
-        }                                                                              \
-    }                                                                                  \
-    for (int v = 0; v < NV; v++) _mm256_storeu_ps(acc + 8 * v, a[v]);                  \
+/* Scores of NH heads (rows qh, qh + D, ...) at four positions (at[]: element
+ * offsets of their K vectors), written to sh[h * n + p + 0..3]. */
+static inline void qk_four(const float *qh, int64_t D, const void *k_cache,
+                           const int64_t *at, float *sh, int64_t n, int64_t p, float scale,
+                           const int NH, const int bf16) {
+    __m256 a[3][4];
+    for (int h = 0; h < NH; h++)
+        for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 q[3];
+        for (int h = 0; h < NH; h++) q[h] = _mm256_loadu_ps(qh + h * D + d);
+        for (int j = 0; j < 4; j++) {
+            const __m256 k = load8(k_cache, at[j] + d, bf16);
+            for (int h = 0; h < NH; h++) a[h][j] = _mm256_fmadd_ps(k, q[h], a[h][j]);
+        }
+    }
+    const __m128 sv = _mm_set1_ps(scale);
+    for (int h = 0; h < NH; h++) {
+        const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]),
+                                        _mm256_hadd_ps(a[h][2], a[h][3]));
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+        _mm_storeu_ps(sh + h * n + p, _mm_mul_ps(r, sv));
+    }
 }
 
-/* The task with D a multiple of 8. Scores: eight positions at a time per
- * head, eight independent FMA chains (one dot product at a time would wait
- * on each FMA's latency), reduced together. Values: each head's output in
- * registers while the positions stream by. */
-#define DEFINE_ATTENTION_TASK(NAME, LOAD, PV)                                          \
-DEFINE_PV_CHUNK(PV, LOAD)                                                              \
-static void NAME(const float *qt, const void *k_cache, const void *v_cache,            \
-                 const int64_t *table, int64_t n, int64_t h0, int64_t h1, int64_t G,   \
-                 int64_t KVH, int64_t D, int64_t block_size, float scale,              \
-                 float *scores, float *acc) {                                          \
-    const int64_t row = KVH * D;                                                       \
-    const __m256 sv = _mm256_set1_ps(scale);                                           \
-    for (int64_t h = h0; h < h1; h++) {                                                \
-        const float *qh = qt + h * D;                                                  \
-        const int64_t koff = (h / G) * D;                                              \
-        float *sh = scores + h * n;                                                    \
-        int64_t b = 0, o = 0;                 /* block index and offset of p */        \
-        int64_t p = 0;                                                                 \
-        for (; p + 8 <= n; p += 8) {                                                   \
-            int64_t at[8];                                                             \
-            for (int j = 0; j < 8; j++) {                                              \
-                at[j] = (table[b] * block_size + o) * row + koff;                      \
-                if (++o == block_size) { o = 0; b++; }                                 \
-            }                                                                          \
-            __m256 a[8];                                                               \
-            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();                    \
-            for (int64_t d = 0; d < D; d += 8) {                                       \
-                const __m256 qv = _mm256_loadu_ps(qh + d);                             \
-                for (int j = 0; j < 8; j++)                                            \
-                    a[j] = _mm256_fmadd_ps(LOAD(k_cache, at[j] + d), qv, a[j]);        \
-            }                                                                          \
-            _mm256_storeu_ps(sh + p, _mm256_mul_ps(hsum8x8(a), sv));                   \
-        }                                                                              \
-        for (; p < n; p++) {                                                           \
-            const int64_t at = (table[b] * block_size + o) * row + koff;               \
-            if (++o == block_size) { o = 0; b++; }                                     \
-            __m256 a = _mm256_setzero_ps();                                            \
-            for (int64_t d = 0; d < D; d += 8)                                         \
-                a = _mm256_fmadd_ps(LOAD(k_cache, at + d), _mm256_loadu_ps(qh + d), a); \
-            __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); \
-            r = _mm_add_ps(r, _mm_movehl_ps(r, r));                                    \
-            r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));                                \
-            sh[p] = _mm_cvtss_f32(r) * scale;                                          \
-        }                                                                              \
-    }                                                                                  \
-    softmax_rows(scores, n, h0, h1);                                                   \
-    for (int64_t h = h0; h < h1; h++) {                                                \
-        const float *w = scores + h * n;                                               \
-        const int64_t voff = (h / G) * D;                                              \
-        int64_t d0 = 0;                                                                \
-        for (; d0 + 64 <= D; d0 += 64)                                                 \
-            PV(w, v_cache, table, n, block_size, row, voff + d0, acc + h * D + d0, 8); \
-        for (; d0 + 32 <= D; d0 += 32)                                                 \
-            PV(w, v_cache, table, n, block_size, row, voff + d0, acc + h * D + d0, 4); \
-        for (; d0 < D; d0 += 8)                                                        \
-            PV(w, v_cache, table, n, block_size, row, voff + d0, acc + h * D + d0, 1); \
-    }                                                                                  \
+#define BATON_NH_SWITCH(nh, CALL) \
+    switch (nh) { case 1: CALL(1); break; case 2: CALL(2); break; default: CALL(3); break; }
+
+/* One pass over the context for K and one for V, each slot (all its kv
+ * heads) used whole while it is in L1, so the pool streams from memory in
+ * order; a pass per kv head (every third 128-byte piece) ran at a fraction of
+ * the bandwidth once the context outgrew the caches. */
+static inline void attention_task_grouped(const float *qt, const void *k_cache,
+                                          const void *v_cache, const int64_t *table,
+                                          int64_t n, int64_t h0, int64_t h1, int64_t G,
+                                          int64_t KVH, int64_t D, int64_t block_size,
+                                          float scale, float *scores, float *acc,
+                                          const int bf16) {
+    const int64_t row = KVH * D;
+    const int64_t g0 = h0 / G, g1 = h1 / G;
+    int64_t b = 0, o = 0, p = 0;
+    for (; p + 4 <= n; p += 4) {
+        int64_t slot[4];
+        for (int j = 0; j < 4; j++) {
+            slot[j] = (table[b] * block_size + o) * row;
+            if (++o == block_size) { o = 0; b++; }
+        }
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t at[4] = {slot[0] + g * D, slot[1] + g * D, slot[2] + g * D,
+                                   slot[3] + g * D};
+            for (int64_t hs = g * G; hs < (g + 1) * G; hs += 3) {
+                const int nh = (int)((g + 1) * G - hs < 3 ? (g + 1) * G - hs : 3);
+#define QK(NH) qk_four(qt + hs * D, D, k_cache, at, scores + hs * n, n, p, scale, NH, bf16)
+                BATON_NH_SWITCH(nh, QK)
+#undef QK
+            }
+        }
+    }
+    for (; p < n; p++) {
+        const int64_t slot = (table[b] * block_size + o) * row;
+        if (++o == block_size) { o = 0; b++; }
+        for (int64_t h = h0; h < h1; h++) {
+            const float *qh = qt + h * D;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                a = _mm256_fmadd_ps(load8(k_cache, slot + (h / G) * D + d, bf16),
+                                    _mm256_loadu_ps(qh + d), a);
+            __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+            r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+            scores[h * n + p] = _mm_cvtss_f32(r) * scale;
+        }
+    }
+    softmax_rows(scores, n, h0, h1);
+    /* acc[h] += w[h][p] * V[p]: each V vector loaded (widened) once for the
+     * G heads of its kv head; the accumulators (H * D floats) stay in L1. */
+    memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
+    for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+        const int64_t base = table[p0 / block_size] * block_size * row;
+        const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
+        for (int64_t i = 0; i < m; i++) {
+            const int64_t slot = base + i * row;
+            for (int64_t g = g0; g < g1; g++) {
+                int64_t x0 = 0;
+                for (; x0 + 32 <= D; x0 += 32) {
+                    __m256 v[4];
+                    for (int x = 0; x < 4; x++)
+                        v[x] = load8(v_cache, slot + g * D + x0 + 8 * x, bf16);
+                    for (int64_t h = g * G; h < (g + 1) * G; h++) {
+                        const __m256 wv = _mm256_set1_ps(scores[h * n + p0 + i]);
+                        float *ah = acc + h * D + x0;
+                        for (int x = 0; x < 4; x++)
+                            _mm256_storeu_ps(ah + 8 * x, _mm256_fmadd_ps(
+                                wv, v[x], _mm256_loadu_ps(ah + 8 * x)));
+                    }
+                }
+                for (; x0 < D; x0 += 8) {
+                    const __m256 v = load8(v_cache, slot + g * D + x0, bf16);
+                    for (int64_t h = g * G; h < (g + 1) * G; h++) {
+                        float *ah = acc + h * D + x0;
+                        _mm256_storeu_ps(ah, _mm256_fmadd_ps(
+                            _mm256_set1_ps(scores[h * n + p0 + i]), v, _mm256_loadu_ps(ah)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+static void attention_task_grouped_f32(const float *qt, const void *k_cache,
+                                       const void *v_cache, const int64_t *table, int64_t n,
+                                       int64_t h0, int64_t h1, int64_t G, int64_t KVH,
+                                       int64_t D, int64_t block_size, float scale,
+                                       float *scores, float *acc) {
+    attention_task_grouped(qt, k_cache, v_cache, table, n, h0, h1, G, KVH, D, block_size,
+                           scale, scores, acc, 0);
+}
+
+static void attention_task_grouped_bf16(const float *qt, const void *k_cache,
+                                        const void *v_cache, const int64_t *table, int64_t n,
+                                        int64_t h0, int64_t h1, int64_t G, int64_t KVH,
+                                        int64_t D, int64_t block_size, float scale,
+                                        float *scores, float *acc) {
+    attention_task_grouped(qt, k_cache, v_cache, table, n, h0, h1, G, KVH, D, block_size,
+                           scale, scores, acc, 1);
 }
 #endif
 
@@ -195,11 +242,6 @@ static void attention_task_generic(const float *q, const void *k_cache, const vo
     memcpy(out + (t * H + h0) * D, acc + h0 * D, sizeof(float) * (h1 - h0) * D);
 }
 
-#ifdef BATON_AVX2
-DEFINE_ATTENTION_TASK(attention_task_f32, load8_f32, pv_chunk_f32)
-DEFINE_ATTENTION_TASK(attention_task_bf16, load8_bf16, pv_chunk_bf16)
-#endif
-
 void baton_attention_task(const float *q, const void *k_cache, const void *v_cache,
                           int kv_bf16,
                           const int64_t *block_tables, const int64_t *ctx_lens, float *out,
@@ -210,7 +252,7 @@ void baton_attention_task(const float *q, const void *k_cache, const void *v_cac
     if (D % 8 == 0) {
         const int64_t n = ctx_lens[t];
         const int64_t *table = block_tables + t * max_blocks;
-        (kv_bf16 ? attention_task_bf16 : attention_task_f32)(
+        (kv_bf16 ? attention_task_grouped_bf16 : attention_task_grouped_f32)(
             q + t * H * D, k_cache, v_cache, table, n, h0, h1, H / KVH, KVH, D, block_size,
             scale, scores, acc);
         memcpy(out + (t * H + h0) * D, acc + h0 * D, sizeof(float) * (h1 - h0) * D);
