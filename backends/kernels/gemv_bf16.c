@@ -34,14 +34,6 @@ int baton_kernels_avx2(void) {
 }
 
 #ifdef BATON_GEMV_AVX2
-static inline float hsum256(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-
 /* Sixteen bf16 values: the even ones and the odd ones as float32. */
 static inline __m256 bf16_even(__m256i v) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -64,7 +56,7 @@ static inline void tile_one_row(const float *xp, const uint16_t *tile, int64_t k
             b[r] = _mm256_fmadd_ps(bf16_odd(v), xo, b[r]);
         }
     }
-    for (int r = 0; r < 8; r++) out[r] = hsum256(_mm256_add_ps(a[r], b[r]));
+    for (int r = 0; r < 8; r++) out[r] = baton_hsum256(_mm256_add_ps(a[r], b[r]));
 }
 
 /* Two input rows against one tile: 16 accumulators, the most that stay in
@@ -85,7 +77,7 @@ static inline void tile_two_rows(const float *xp, int64_t kp, const uint16_t *ti
             }
         }
     }
-    for (int i = 0; i < 16; i++) out[i] = hsum256(acc[i]);
+    for (int i = 0; i < 16; i++) out[i] = baton_hsum256(acc[i]);
 }
 #endif
 

@@ -15,6 +15,16 @@
 #define BATON_AVX2 1
 #endif
 
+#ifdef BATON_AVX2
+/* The sum of a vector's eight lanes. */
+static inline float baton_hsum256(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+    return _mm_cvtss_f32(r);
+}
+#endif
+
 /* ------------------------------------------------------------ bfloat16 */
 static inline float baton_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
@@ -47,11 +57,7 @@ static inline float baton_dot_bf16(const float *x, const uint16_t *y, int64_t n)
         a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i), a0);
         a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + i + 8), a1);
     }
-    a0 = _mm256_add_ps(a0, a1);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-    s = _mm_cvtss_f32(r);
+    s = baton_hsum256(_mm256_add_ps(a0, a1));
 #endif
     for (; i < n; i++) s += x[i] * baton_bf16_to_f32(y[i]);
     return s;

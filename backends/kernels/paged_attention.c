@@ -124,10 +124,7 @@ static inline void attention_task_grouped(const float *qt, const void *k_cache,
             for (int64_t d = 0; d < D; d += 8)
                 a = _mm256_fmadd_ps(load8(k_cache, slot + (h / G) * D + d, bf16),
                                     _mm256_loadu_ps(qh + d), a);
-            __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-            r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-            r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-            scores[h * n + p] = _mm_cvtss_f32(r) * scale;
+            scores[h * n + p] = baton_hsum256(a) * scale;
         }
     }
     softmax_rows(scores, n, h0, h1);
