@@ -49,15 +49,16 @@ static inline __m256 load8_bf16(const void *base, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* Query heads sharing a kv head: each K and V vector is loaded (for bf16,
- * widened) once for all of them. Scores take four positions by up to three
- * heads at a time: 12 independent FMA chains (one dot product at a time
- * waited on each FMA's latency). */
 static inline __m256 load8(const void *base, int64_t i, const int bf16) {
     return bf16 ? load8_bf16(base, i) : load8_f32(base, i);
 }
 
-/* Scores of NH heads (rows qh, qh + D, ...) at four positions (at[]: element
+/* Query heads sharing a kv head: each K and V vector is loaded (for bf16,
+ * widened) once for all of them. Scores take four positions by up to three
+ * heads at a time: 12 independent FMA chains (one dot product at a time
+ * waited on each FMA's latency).
+ *
+ * Scores of NH heads (rows qh, qh + D, ...) at four positions (at[]: element
  * offsets of their K vectors), written to sh[h * n + p + 0..3]. */
 static inline void qk_four(const float *qh, int64_t D, const void *k_cache,
                            const int64_t *at, float *sh, int64_t n, int64_t p, float scale,
