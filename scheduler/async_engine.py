@@ -73,7 +73,8 @@ class AsyncEngine:
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None,
-                    queue: asyncio.Queue[RequestOutput] | None = None) -> str:
+                    queue: asyncio.Queue[RequestOutput] | None = None,
+                    priority: int = 0) -> str:
         """Validate and queue now (raising typed errors at once); returns the
         request id to pass to ``stream``. Requests given the same ``queue``
         can be consumed together with ``stream_group``."""
@@ -81,7 +82,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids = self.core.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        self.core.add_request(request_id, token_ids, params)
+        self.core.add_request(request_id, token_ids, params, priority)
         self._queues[request_id] = queue if queue is not None else asyncio.Queue()
         self._work.set()
         return request_id

@@ -1,18 +1,35 @@
-"""Scheduler limits: one typed object, built by the CLI and passed down."""
+"""Scheduler limits and policy: one typed object, built by the CLI and passed down."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """``max_num_batched_tokens`` is the per-step token budget shared by decode
-    tokens and prefill chunks; ``max_model_len`` bounds prompt + output."""
+    tokens and prefill chunks; ``max_model_len`` bounds prompt + output.
+
+    ``policy``: ``fcfs`` admits in arrival order; ``priority`` admits by the
+    request's ``priority`` (lower first, ties by arrival) and preempts the
+    lowest-priority running request first.
+
+    ``long_prefill_token_threshold`` (None: a quarter of the budget): a prompt
+    with more than this many tokens left to compute is *long*. A prefill chunk
+    gets at most this many tokens until decodes and the other prefills have
+    had their share of the step, then whatever budget is left; and only one
+    long prompt is prefilled at a time, so shorter requests arriving meanwhile
+    are admitted past the waiting long ones.
+    """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -22,3 +39,17 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.policy!r}")
+        if self.long_prefill_token_threshold is not None \
+                and self.long_prefill_token_threshold < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 1, got "
+                             f"{self.long_prefill_token_threshold}")
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """The threshold in effect."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return max(1, self.max_num_batched_tokens // 4)

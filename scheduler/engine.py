@@ -34,7 +34,8 @@ class EngineCore:
         self.config = config
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache = KVCacheManager(backend.num_kv_blocks, backend.block_size)
+        self.kv_cache = KVCacheManager(backend.num_kv_blocks, backend.block_size,
+                                       config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, list] = {}
@@ -47,17 +48,22 @@ class EngineCore:
 
     # ---------------------------------------------------------------- intake
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
+                    params: SamplingParams, priority: int = 0) -> Request:
         """Validate and queue. Raises InvalidRequestError (or its subclass
         ContextLengthExceededError) before anything is computed."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if priority != 0 and self.config.policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} was given, but this server schedules first come, "
+                f"first served; start it with --scheduling-policy priority to honour "
+                f"priorities", "priority")
         self._validate(prompt_token_ids, params)
         n = len(prompt_token_ids)
         max_tokens = params.max_tokens or (self.max_model_len - n)
         request = Request(request_id, list(prompt_token_ids), params,
                           max_tokens=min(max_tokens, self.max_model_len - n),
-                          eos_token_ids=self.eos_token_ids)
+                          eos_token_ids=self.eos_token_ids, priority=priority)
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer.backend, stop=params.stop,
             skip_special_tokens=params.skip_special_tokens)
@@ -155,7 +161,8 @@ class EngineCore:
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
-            num_preemptions=request.num_preemptions)
+            num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens or 0)
 
     def _final_output(self, request: Request, new_ids: list[int], text: str,
                       error: str | None, logprobs=None) -> RequestOutput:
@@ -171,6 +178,7 @@ class EngineCore:
     def _stats(self, output: SchedulerOutput, result: StepResult) -> SchedulerStats:
         decode = sum(1 for r in output.requests if not _is_prefill(r))
         kv = self.kv_cache
+        prefix = kv.take_stats()
         return SchedulerStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_scheduled=len(output.requests),
@@ -180,7 +188,8 @@ class EngineCore:
             kv_blocks_free=kv.num_free_blocks, kv_usage=kv.usage,
             timings=result.timings,
             request_ids=[r.request_id for r in output.requests],
-            prefill_request_ids=[r.request_id for r in output.requests if _is_prefill(r)])
+            prefill_request_ids=[r.request_id for r in output.requests if _is_prefill(r)],
+            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

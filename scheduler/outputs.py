@@ -33,6 +33,8 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # prompt tokens found in the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -51,5 +53,8 @@ class SchedulerStats:
     timings: StepTimings = field(default_factory=StepTimings)
     request_ids: list[str] = field(default_factory=list)
     prefill_request_ids: list[str] = field(default_factory=list)  # computed prompt tokens
+    # tokens looked up in the prefix cache by requests admitted this step, and found
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     start_ns: int = 0   # wall clock (epoch ns), set by the AsyncEngine
     end_ns: int = 0

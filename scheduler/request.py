@@ -43,6 +43,12 @@ class Request:
     ever_scheduled: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Lower runs first under the priority policy; ties go by arrival_index,
+    # the scheduler's intake order.
+    priority: int = 0
+    arrival_index: int = 0
+    # Prompt tokens found in the prefix cache when first admitted (None until then).
+    num_cached_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

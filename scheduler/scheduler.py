@@ -1,23 +1,36 @@
 """Who runs this step: a synchronous, deterministic continuous-batching policy.
 
-One token budget per step. Running requests come first, in admission order,
-each taking what it still needs (one token for a decode, a chunk for a
-partially prefilled prompt); waiting prompts then fill the rest in chunks.
-When blocks run out for a running request, the most recently admitted
-running request is preempted by recompute: its blocks are freed and it goes
-back to the front of the waiting queue with ``num_computed_tokens = 0``.
+One token budget per step, spent in four passes:
+
+1. one token for every running request that is decoding;
+2. a chunk for every running request still prefilling, at most
+   ``long_prefill_threshold`` tokens each;
+3. admissions from the waiting queue, in policy order: each looks up its
+   longest cached prefix and computes only the rest, in a chunk of at most
+   the threshold. Only one *long* prompt (more than the threshold left to
+   compute) is prefilled at a time: while one is, later short requests are
+   admitted past waiting long ones;
+4. budget still left extends the chunks the threshold cut.
+
+So a long prompt never holds back decodes or new short requests for more
+than the threshold's share of a step, and alone it still gets the whole step.
+
+When blocks run out for a running request, the lowest-priority running
+request (fcfs: the most recently admitted) is preempted by recompute: its
+blocks are released (those that were full stay in the prefix cache, so it
+finds them again when it is readmitted) and it goes back to the waiting queue.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backends.interface import ScheduledRequest, SchedulerOutput, StepResult, TokenLogprobs
-from cache.kv_cache_manager import KVCacheManager
+from cache.kv_cache_manager import NO_HIT, KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.request_queue import RequestQueue, priority_key
 
 
 @dataclass(slots=True)
@@ -30,22 +43,34 @@ class TokenUpdate:
     logprobs: TokenLogprobs | None
 
 
+@dataclass(slots=True)
+class _StepPlan:
+    """Tokens granted so far this step, by request id, in output order."""
+
+    budget: int
+    tokens: dict[str, int] = field(default_factory=dict)
+    num_preempted: int = 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = RequestQueue(config.policy)
+        self.running: list[Request] = []   # admission order
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._next_arrival = 0
         self.num_preemptions_total = 0
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.arrival_index = self._next_arrival
+        self._next_arrival += 1
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_request(self, request_id: str, reason: FinishReason,
                        stop_reason: int | str | None = None) -> Request | None:
@@ -66,7 +91,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        self.kv_cache.free(request.request_id)
+        self.kv_cache.forget(request.request_id)
         if request.ever_scheduled:
             self._finished_ids.append(request.request_id)
 
@@ -88,49 +113,95 @@ class Scheduler:
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        num_preempted = 0
-
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + num_new
-            while not self.kv_cache.allocate_slots(request.request_id, target):
-                victim = self.running[-1]
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                break  # it preempted itself: nothing below it is left either
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
-            index += 1
-
-        # Admitting while preempting would thrash: the blocks just freed are
-        # what the running requests need next step.
-        while (self.waiting and budget > 0 and num_preempted == 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(
-                    request.request_id, request.num_computed_tokens + num_new):
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        threshold = self.config.long_prefill_threshold
+        order = (sorted(self.running, key=priority_key) if self.config.policy == "priority"
+                 else list(self.running))
+        for request in order:            # 1. decodes
+            if plan.budget <= 0:
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            if request.status is RequestStatus.RUNNING and _remaining(request) == 1:
+                self._reserve(plan, request, 1)
+        for request in order:            # 2. running prefills, capped
+            if plan.budget <= 0:
+                break
+            if (request.status is RequestStatus.RUNNING
+                    and request.request_id not in plan.tokens):
+                self._reserve(plan, request, min(_remaining(request), threshold))
+        # 3. Admitting while preempting would thrash: the blocks just freed
+        # are what the running requests need next step.
+        if plan.num_preempted == 0:
+            self._admit(plan, threshold)
+        self._extend_chunks(plan)        # 4. what is left
 
+        scheduled = [self._scheduled(self.requests[rid], n) for rid, n in plan.tokens.items()]
         # Finished ids ride with the next real step (the backend drops its
         # per-request state then); an empty output is never executed.
         finished: list[str] = []
         if scheduled:
             finished, self._finished_ids = self._finished_ids, []
-        self.num_preemptions_total += num_preempted
-        return SchedulerOutput(scheduled, finished, num_preempted)
+        self.num_preemptions_total += plan.num_preempted
+        return SchedulerOutput(scheduled, finished, plan.num_preempted)
+
+    def _reserve(self, plan: _StepPlan, request: Request, num_new: int) -> None:
+        """Grant a running request ``num_new`` tokens (within the budget),
+        preempting lower-priority requests while blocks are short; the
+        request may end up preempting itself."""
+        num_new = min(num_new, plan.budget)
+        target = request.num_computed_tokens + num_new
+        while not self.kv_cache.allocate_slots(request.request_id, target):
+            victim = self._preemption_victim()
+            self._preempt(victim)
+            plan.num_preempted += 1
+            plan.budget += plan.tokens.pop(victim.request_id, 0)
+            if victim is request:
+                return
+        plan.tokens[request.request_id] = num_new
+        plan.budget -= num_new
+
+    def _admit(self, plan: _StepPlan, threshold: int) -> None:
+        long_prefilling = any(_remaining(r) > threshold for r in self.running)
+        for request in list(self.waiting):
+            if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            # Prompt logprobs need every prompt position computed.
+            hit = NO_HIT if request.sampling_params.prompt_logprobs is not None \
+                else self.kv_cache.find_cached_prefix(request.request_id, request)
+            remaining = request.num_tokens - hit.num_tokens
+            is_long = remaining > threshold
+            if is_long and long_prefilling:
+                continue  # one long prefill at a time; shorter ones may pass
+            num_new = min(remaining, threshold, plan.budget)
+            if not self.kv_cache.allocate_slots(request.request_id,
+                                                hit.num_tokens + num_new, hit):
+                return  # out of blocks: nobody passes the head of the line
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_tokens
+            self.running.append(request)
+            plan.tokens[request.request_id] = num_new
+            plan.budget -= num_new
+            long_prefilling |= is_long
+
+    def _extend_chunks(self, plan: _StepPlan) -> None:
+        """Give budget nobody else wanted to the prefill chunks the threshold
+        cut, in order. No preemption for this: it is only a bonus."""
+        for request_id, num_new in plan.tokens.items():
+            if plan.budget <= 0:
+                return
+            request = self.requests[request_id]
+            start = request.num_computed_tokens + num_new
+            extra = min(request.num_tokens - start, plan.budget)
+            if extra > 0 and self.kv_cache.allocate_slots(request_id, start + extra):
+                plan.tokens[request_id] = num_new + extra
+                plan.budget -= extra
+
+    def _preemption_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=priority_key)
+        return self.running[-1]
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -156,13 +227,20 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
 
     # ------------------------------------------------------------ postprocess
     def update_from_output(self, output: SchedulerOutput,
                            result: StepResult) -> list[TokenUpdate]:
         """Append sampled tokens and apply the token-level stop conditions
         (EOS, stop token ids, max_tokens, context length)."""
+        # The step has written these blocks: name the full ones first, so
+        # that requests ending with this token leave them cached too.
+        for scheduled in output.requests:
+            request = self.requests.get(scheduled.request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.kv_cache.cache_computed_blocks(request.request_id, request,
+                                                    request.num_computed_tokens)
         updates: list[TokenUpdate] = []
         for request_id, token_id, logprobs in zip(
                 result.request_ids, result.token_ids, result.logprobs):
@@ -213,3 +291,12 @@ class Scheduler:
                 raise AssertionError(f"waiting {request.request_id} holds blocks")
         if len(self.running) + len(self.waiting) != len(self.requests):
             raise AssertionError("request table out of sync with the queues")
+        self.waiting.check_order()
+        stray = self.kv_cache.request_ids - set(self.requests)
+        if stray:
+            raise AssertionError(f"the KV cache keeps state for ended requests {sorted(stray)}")
+
+
+def _remaining(request: Request) -> int:
+    """Tokens the request has yet to compute (1 for a decode)."""
+    return request.num_tokens - request.num_computed_tokens

@@ -34,6 +34,21 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 32)))
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=int(_env("max_num_batched_tokens", 512)))
+    parser.add_argument("--enable-prefix-caching", "--prefix-caching",
+                        dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                        default=_env("prefix_caching", "1").lower() not in ("0", "false", "no"),
+                        help="reuse the KV cache of prompt prefixes already computed (on by "
+                             "default; --no-prefix-caching turns it off)")
+    parser.add_argument("--scheduling-policy", default=_env("scheduling_policy", "fcfs"),
+                        choices=["fcfs", "priority"],
+                        help="fcfs: first come, first served; priority: by the request's "
+                             "priority field, lower first, ties by arrival")
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        default=_int_or_none(_env("long_prefill_token_threshold", None)),
+                        help="prompts with more tokens than this left to compute are long: "
+                             "one at a time, and at most this many tokens per step until "
+                             "other requests have had theirs (default: a quarter of "
+                             "--max-num-batched-tokens)")
     parser.add_argument("--threads", type=int, default=_int_or_none(_env("threads", None)),
                         help="CPU threads for the model's math (default: torch's, one "
                              "per core)")
@@ -59,7 +74,9 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
-        threads=ns.threads,
+        threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
+        scheduling_policy=ns.scheduling_policy,
+        long_prefill_token_threshold=ns.long_prefill_token_threshold,
         progress=sys.stderr.isatty(), **overrides)
 
 

@@ -37,6 +37,9 @@ class EngineArgs:
     threads: int | None = None           # torch intra-op threads; None: torch's default
     quantization: str = "none"           # none, int8, int4, gguf (docs/quantization.md)
     quantization_group_size: int = 128   # int4 only: 32, 64 or 128
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"      # fcfs | priority
+    long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,16 +82,20 @@ def create_engine(args: EngineArgs) -> EngineCore:
         backend, tokenizer,
         SchedulerConfig(max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=max_model_len),
+                        max_model_len=max_model_len, policy=args.scheduling_policy,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold),
         vocab_size=config.vocab_size, eos_token_ids=tuple(eos),
         model_name=model_name_for(args.model),
         generation=loaded.generation)
     log.info("model loaded: %s, %.1fM parameters, dtype %s, quantization %s, weights %.0f MiB, "
-             "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, %.1fs",
+             "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, "
+             "prefix caching %s, scheduling %s, %.1fs",
              loaded.source or config.name, backend.num_parameters / 1e6,
              args.dtype + (" (bfloat16 weights and KV cache, float32 arithmetic: this CPU "
                            "has no native bfloat16)" if getattr(backend, "bf16_weights", False) else ""),
              quantization.describe(), resident_weight_bytes(backend.model) / 2**20,
              args.device, backend.kv_capacity_tokens, backend.num_kv_blocks,
-             args.block_size, max_model_len, time.perf_counter() - t0)
+             args.block_size, max_model_len, "on" if args.enable_prefix_caching else "off",
+             args.scheduling_policy, time.perf_counter() - t0)
     return core

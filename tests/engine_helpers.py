@@ -18,6 +18,7 @@ class Finished:
     finish_reason: str | None = None
     stop_reason: object = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 def make_engine(model, **kwargs) -> EngineCore:
@@ -46,6 +47,7 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]] | None = None,
             if out.logprobs:
                 res.logprobs.extend(out.logprobs)
             res.num_prompt_tokens = out.num_prompt_tokens
+            res.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 res.finish_reason = out.finish_reason
                 res.stop_reason = out.stop_reason
@@ -56,6 +58,9 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]] | None = None,
 
 
 def assert_all_free(core: EngineCore) -> None:
+    """Every block back: free, or evictable in the prefix cache, none referenced."""
     core.check_integrity()
-    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks, "KV blocks leaked"
+    kv = core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+    assert all(kv.pool.ref_count(b) == 0 for b in range(kv.num_blocks))
     assert not core.scheduler.running and not core.scheduler.waiting

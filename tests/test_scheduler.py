@@ -14,10 +14,12 @@ def make(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=64):
                      KVCacheManager(num_blocks, block_size))
 
 
-def req(rid, n_prompt, max_tokens=8, **params):
-    return Request(rid, list(range(1, n_prompt + 1)),
+def req(rid, n_prompt, max_tokens=8, first=1, priority=0, **params):
+    """Prompt ``first .. first + n_prompt - 1``: requests with the same
+    ``first`` share a prefix (and so prefix-cache blocks)."""
+    return Request(rid, list(range(first, first + n_prompt)),
                    SamplingParams(max_tokens=max_tokens, **params), max_tokens=max_tokens,
-                   eos_token_ids=frozenset({0}))
+                   eos_token_ids=frozenset({0}), priority=priority)
 
 
 def run_step(s, token=7):
@@ -76,9 +78,9 @@ def test_admission_waits_for_blocks():
 
 def test_preemption_takes_most_recently_admitted_and_requeues_it_first():
     s = make(num_blocks=4, block_size=4, budget=64)
-    s.add_request(req("a", 4, max_tokens=20))   # 1 block each
-    s.add_request(req("b", 4, max_tokens=20))
-    s.add_request(req("c", 8, max_tokens=20))   # 2 blocks
+    s.add_request(req("a", 4, max_tokens=20, first=100))   # 1 block each
+    s.add_request(req("b", 4, max_tokens=20, first=200))
+    s.add_request(req("c", 8, max_tokens=20, first=300))   # 2 blocks
     run_step(s)
     assert s.kv_cache.num_free_blocks == 0
     # a needs a second block for its 5th token -> c (admitted last) is preempted
