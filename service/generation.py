@@ -23,7 +23,8 @@ from service.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                               ChatCompletionResponse, ChatDelta, ChatLogprobs,
                               ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
                               CompletionChunk, CompletionLogprobs, CompletionResponse,
-                              ErrorBody, ErrorResponse, TopLogprob, Usage)
+                              ErrorBody, ErrorResponse, PromptTokensDetails, TopLogprob,
+                              Usage)
 
 _encoder = msgspec.json.Encoder()
 
@@ -42,6 +43,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     error: str | None = None
 
 
@@ -74,7 +76,7 @@ class GenerationRun:
                         # n seeded choices: reproducible, yet not n copies.
                         params = dataclasses.replace(params, seed=params.seed + j)
                     rid = f"{self.id}-{i * p.n + j}"
-                    self.engine.add_request(prompt, params, rid, queue)
+                    self.engine.add_request(prompt, params, rid, queue, p.priority)
                     self.request_ids.append(rid)
                     self.index_of[rid] = i * p.n + j
         except BaseException:
@@ -116,6 +118,15 @@ class GenerationRun:
     def _time_out(self) -> None:
         for rid in self.request_ids:
             self.engine.abort(rid, FinishReason.TIMEOUT)
+
+
+def make_usage(prompt_tokens: list[int], cached_tokens: list[int],
+               completion_tokens: int) -> Usage:
+    """Usage of one response: each prompt counted once (its first choice),
+    however many choices it has; cached tokens as OpenAI reports them."""
+    prompt = sum(prompt_tokens)
+    return Usage(prompt, completion_tokens, prompt + completion_tokens,
+                 PromptTokensDetails(sum(cached_tokens)))
 
 
 # ------------------------------------------------------------------ logprobs
@@ -175,6 +186,7 @@ async def respond_whole(run: GenerationRun) -> web.Response:
         if out.prompt_logprobs is not None:
             c.prompt_logprobs = out.prompt_logprobs
         c.num_prompt_tokens = out.num_prompt_tokens
+        c.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             c.finish_reason = out.finish_reason
             c.error = out.error
@@ -184,9 +196,10 @@ async def respond_whole(run: GenerationRun) -> web.Response:
     if any(c.finish_reason == FinishReason.ABORT.value for c in choices):
         # Only the server aborts a request whose client is still here: shutdown.
         raise APIError(503, "the server shut down before the request finished")
-    prompt_tokens = sum(choices[i * p.n].num_prompt_tokens for i in range(len(p.prompts)))
-    completion_tokens = sum(len(c.token_ids) for c in choices)
-    usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    firsts = [choices[i * p.n] for i in range(len(p.prompts))]
+    usage = make_usage([c.num_prompt_tokens for c in firsts],
+                       [c.num_cached_tokens for c in firsts],
+                       sum(len(c.token_ids) for c in choices))
     if p.kind == "chat":
         body = ChatCompletionResponse(run.id, run.created, run.model, [
             ChatChoice(i, ChatResponseMessage("assistant", c.text),
@@ -225,6 +238,7 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
     offsets = [0] * num_choices
     echo_pending = [p.echo] * num_choices
     prompt_tokens = [0] * num_choices
+    cached_tokens = [0] * num_choices
     completion_tokens = 0
     if chat:
         for i in range(num_choices):
@@ -232,6 +246,7 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
                 ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]))
     async for index, out in run.outputs():
         prompt_tokens[index] = out.num_prompt_tokens
+        cached_tokens[index] = out.num_cached_tokens
         completion_tokens += len(out.new_token_ids)
         if out.finish_reason in (FinishReason.ERROR.value, FinishReason.ABORT.value):
             error = ErrorBody(out.error or "engine fault", "internal_error", None, None) \
@@ -263,8 +278,9 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
                 CompletionChoice(index, text, logprobs, finish)])
         await _send(resp, chunk)
     if p.include_usage:
-        total_prompt = sum(prompt_tokens[i * p.n] for i in range(len(p.prompts)))
-        usage = Usage(total_prompt, completion_tokens, total_prompt + completion_tokens)
+        firsts = range(0, num_choices, p.n)
+        usage = make_usage([prompt_tokens[i] for i in firsts], [cached_tokens[i] for i in firsts],
+                           completion_tokens)
         cls = ChatCompletionChunk if chat else CompletionChunk
         await _send(resp, cls(run.id, run.created, run.model, [], usage))
     await resp.write(b"data: [DONE]\n\n")

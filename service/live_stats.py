@@ -94,6 +94,11 @@ class LiveSnapshot(msgspec.Struct):
     batch_size: int  # the last step that ran a request
     batch_size_mean: float  # over the window
     preemptions: int
+    # prompt tokens of admitted requests looked up in the prefix cache and
+    # found there, in all; the hit rate is over the window (None: no lookup)
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float | None
     ttft: Percentiles
     itl: Percentiles
     e2e: Percentiles
@@ -112,6 +117,8 @@ class _Second:
     tokens_in: int = 0
     tokens_out: int = 0
     batch_sum: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
     schedule: float = 0.0
     prepare: float = 0.0
     forward: float = 0.0
@@ -145,6 +152,8 @@ class LiveStats:
         self._last_batch = 0
         self.steps = 0
         self.preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.requests_finished = 0
         self.requests_failed = 0
         self.prompt_tokens = 0
@@ -168,6 +177,11 @@ class LiveStats:
         self._last_step = step
         self.steps += 1
         self.preemptions += step.preempted
+        if step.prefix_cache_queries:
+            b.prefix_queries += step.prefix_cache_queries
+            b.prefix_hits += step.prefix_cache_hits
+            self.prefix_cache_queries += step.prefix_cache_queries
+            self.prefix_cache_hits += step.prefix_cache_hits
         if step.batch_size <= 0:
             return
         self._last_batch = step.batch_size
@@ -225,6 +239,7 @@ class LiveStats:
         rated = [b for b in self._seconds if b.second >= rate_start]
         covered = max(min(now - rate_start, now - self.started), 1e-3)
         busy = sum(b.busy_steps for b in in_window)
+        queries = sum(b.prefix_queries for b in in_window)
         last = self._last_step
         return LiveSnapshot(
             model=self.model, time=time.time(), uptime_s=now - self.started,
@@ -238,6 +253,10 @@ class LiveStats:
             batch_size=self._last_batch,
             batch_size_mean=sum(b.batch_sum for b in in_window) / busy if busy else 0.0,
             preemptions=self.preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_hit_rate=(sum(b.prefix_hits for b in in_window) / queries
+                                   if queries else None),
             ttft=percentiles(v for t, v in self._ttft if t >= since),
             itl=percentiles(v for t, v in self._itl if t >= since),
             e2e=percentiles(v for t, v in self._e2e if t >= since),

@@ -22,6 +22,7 @@ class _ChoiceStats:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None
     text: str = ""
@@ -49,7 +50,8 @@ class Observability:
             decode_tokens=stats.num_decode_tokens, preempted=stats.num_preempted,
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_free=stats.kv_blocks_free,
             kv_usage=stats.kv_usage, num_running=stats.num_running,
-            num_waiting=stats.num_waiting, schedule=t.schedule, prepare=t.prepare,
+            num_waiting=stats.num_waiting, prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits, schedule=t.schedule, prepare=t.prepare,
             forward=t.forward, sample=t.sample, emit=t.emit)
         self.metrics.observe_step(step)
         if self.live is not None:
@@ -134,6 +136,7 @@ class RequestTelemetry:
         c.first_scheduled = out.first_scheduled_time
         c.first_token = out.first_token_time
         c.prompt_tokens = out.num_prompt_tokens
+        c.cached_tokens = out.num_cached_tokens
         c.output_tokens = out.num_output_tokens
         if self.obs.log_prompts:
             c.text += out.text
@@ -182,6 +185,7 @@ class RequestTelemetry:
             request_id=self.response_id or "", operation=self.operation,
             model=self.obs.model_name, status=status, finish_reason=c.finish_reason,
             prompt_tokens=c.prompt_tokens, output_tokens=c.output_tokens,
+            cached_tokens=c.cached_tokens,
             arrival=self.arrival, finished=now, first_scheduled=c.first_scheduled,
             first_token=c.first_token, error_type=error_type, token_times=c.token_times)
 
@@ -198,6 +202,7 @@ class RequestTelemetry:
             finish_reason=reasons[-1] if reasons else None,
             # each prompt once, however many choices it has
             prompt_tokens=sum(r.prompt_tokens for r in records[::self.n]),
+            cached_tokens=sum(r.cached_tokens for r in records[::self.n]),
             output_tokens=sum(r.output_tokens for r in records),
             arrival=self.arrival, finished=now,
             first_scheduled=first(r.first_scheduled for r in records),

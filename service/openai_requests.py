@@ -28,6 +28,7 @@ class PreparedRequest:
     echo: bool
     stream: bool
     include_usage: bool
+    priority: int = 0               # the scheduler's, under --scheduling-policy priority
 
 
 def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
@@ -97,7 +98,7 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
     params = _sampling_params(req, max_tokens, req.logprobs, defaults, prompt_logprobs)
     return PreparedRequest(
         "text_completion", prompts, texts, params, req.n, req.logprobs, req.echo, req.stream,
-        bool(req.stream_options and req.stream_options.include_usage))
+        bool(req.stream_options and req.stream_options.include_usage), req.priority)
 
 
 def message_dict(message: ChatMessage) -> dict:
@@ -144,4 +145,4 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer,
     params = _sampling_params(req, max_tokens, num_logprobs, defaults)
     return PreparedRequest(
         "chat", [ids], [""], params, req.n, num_logprobs, False, req.stream,
-        bool(req.stream_options and req.stream_options.include_usage))
+        bool(req.stream_options and req.stream_options.include_usage), req.priority)

@@ -86,10 +86,15 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):

@@ -141,6 +141,16 @@ class Metrics:
         self._inc_preemptions = Counter(
             "baton_preemptions", "Requests preempted to free KV cache blocks.",
             ("model_name",), registry=r).labels(m).inc
+        # vLLM's prefix_cache_queries / prefix_cache_hits: hit rate is
+        # rate(hits) / rate(queries).
+        self._inc_prefix_queries = Counter(
+            "baton_prefix_cache_queries",
+            "Tokens of admitted requests looked up in the prefix cache.",
+            ("model_name",), registry=r).labels(m).inc
+        self._inc_prefix_hits = Counter(
+            "baton_prefix_cache_hits",
+            "Tokens of admitted requests found in the prefix cache (not computed).",
+            ("model_name",), registry=r).labels(m).inc
         self._observe_step_duration = histogram(
             "baton_engine_step_duration_seconds",
             "Wall time of one engine step (all components).", STEP_DURATION_BUCKETS)
@@ -191,6 +201,9 @@ class Metrics:
         self._last_step = step
         if step.preempted:
             self._inc_preemptions(step.preempted)
+        if step.prefix_cache_queries:
+            self._inc_prefix_queries(step.prefix_cache_queries)
+            self._inc_prefix_hits(step.prefix_cache_hits)
         if step.batch_size <= 0:
             return
         overhead = step.host_overhead_share

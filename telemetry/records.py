@@ -32,6 +32,7 @@ class RequestRecord:
     arrival: float
     finished: float
     first_scheduled: float | None = None  # None: never scheduled
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     first_token: float | None = None  # None: no token produced
     error_type: str | None = None
     # monotonic time of each output delta, for inter-token latency
@@ -96,6 +97,9 @@ class StepRecord:
     kv_usage: float  # 0..1
     num_running: int
     num_waiting: int
+    # prefix cache: tokens looked up by the requests admitted in this step, and found
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # seconds per phase; host overhead is everything but forward and sample
     schedule: float = 0.0
     prepare: float = 0.0

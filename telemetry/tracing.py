@@ -171,6 +171,8 @@ def _response_attributes(record: RequestRecord, response_id: str | None,
         "gen_ai.response.finish_reasons": list(finish_reasons),
         "gen_ai.usage.input_tokens": record.prompt_tokens,
         "gen_ai.usage.output_tokens": record.output_tokens,
+        # OTel GenAI: input tokens served from a cache (included in input_tokens)
+        "gen_ai.usage.cache_read.input_tokens": record.cached_tokens,
         "gen_ai.latency.e2e": record.e2e,
     }
     if response_id is not None:
@@ -214,6 +216,8 @@ def _step_attributes(step: StepRecord) -> dict[str, Any]:
         "baton.kv.blocks_used": step.kv_blocks_used,
         "baton.kv.blocks_free": step.kv_blocks_free,
         "baton.kv.usage": step.kv_usage,
+        "baton.prefix_cache.queries": step.prefix_cache_queries,
+        "baton.prefix_cache.hits": step.prefix_cache_hits,
         "baton.step.time.schedule": step.schedule,
         "baton.step.time.prepare": step.prepare,
         "baton.step.time.forward": step.forward,

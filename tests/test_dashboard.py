@@ -24,6 +24,8 @@ from tests.server_helpers import running_server
 MODEL = "tiny-llama"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 PAGE = Path(__file__).resolve().parent.parent / "service" / "static" / "dashboard.html"
+# shared by every request of the load: the prefix cache has something to hit
+SYSTEM = "You are a careful storyteller who answers briefly. " * 6
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ class _Load:
             n += 1
             try:
                 resp = self.client.completions.create(
-                    model=MODEL, prompt=f"worker {worker} request {n}: tell me a story",
+                    model=MODEL, prompt=f"{SYSTEM}worker {worker} request {n}: tell me a story",
                     max_tokens=8 + (n % 3) * 8, extra_body={"ignore_eos": True})
                 with self.lock:
                     self.ids.append(resp.id)
@@ -117,6 +119,13 @@ def test_stats_endpoint_follows_requests(server):
     assert split["forward"] > 0 and 0 <= split["host_overhead_share"] <= 1
     assert len(after["history"]) == 60 and after["history"][-1]["t"] == 0
     assert sum(p["tokens_out"] for p in after["history"]) > 0
+    # the same prompt twice: the second finds the first one's blocks
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=2)
+    cached = _stats(server)
+    assert cached["prefix_cache_queries"] > after["prefix_cache_queries"]
+    assert cached["prefix_cache_hits"] >= after["prefix_cache_hits"] + 32
+    assert 0 < cached["prefix_cache_hit_rate"] <= 1
 
 
 def test_dashboard_page_is_self_contained(server):
@@ -140,6 +149,8 @@ _FIGURES = """JSON.stringify({
   steps: document.getElementById('steps').textContent,
   tokensOut: document.getElementById('output-total').textContent,
   ttftCount: document.querySelector('#lat-ttft td:last-child').textContent,
+  prefixHit: document.getElementById('prefix-hit').textContent,
+  prefixTokens: document.getElementById('prefix-tokens').textContent,
   forward: document.querySelector('#split-forward b') &&
            document.querySelector('#split-forward b').textContent,
   rows: [...document.querySelectorAll('#recent tbody tr.request')].map(tr => ({
@@ -195,6 +206,10 @@ def test_dashboard_in_chromium_under_load(server):
     assert second["steps"] != first["steps"]
     assert second["tokensOut"] != first["tokensOut"]
     assert int(second["ttftCount"]) > 0
+    # the load shares a long prefix: the hit-rate tile shows a percentage
+    assert re.fullmatch(r"\d+(\.\d)?%", second["prefixHit"]), second["prefixHit"]
+    assert float(second["prefixHit"][:-1]) > 0
+    assert second["prefixTokens"].endswith("prompt tokens cached")
     assert second["forward"] and second["forward"] != "— ms"
     assert len(second["points"].split()) == 60
     rows = second["rows"]

@@ -442,6 +442,7 @@ def test_dashboard_promql_names_exported_metrics(path, exported):
             "baton_kv_cache_usage_ratio", "baton_engine_batch_size_bucket",
             "baton_engine_step_component_seconds_total", "baton_engine_host_overhead_ratio",
             "baton_preemptions_total", "baton_admission_rejections_total",
+            "baton_prefix_cache_hits_total", "baton_prefix_cache_queries_total",
         } <= used
 
 
