@@ -14,6 +14,13 @@ other one (or the `--pair`s named), against the issue's goals. With
 `--rounds N` every server is measured N times, alternating, and the figures
 are medians over the rounds.
 
+`--workload shared-prefix|multi-turn|long-prefill` measures one of the
+prefix-cache and fairness workloads of benchmarks/workloads.py instead (each
+server in turn, same prompts for every server: the point is what each one's
+cache makes of them), with that workload's columns and goals; `--pair
+NAME:PEER:BOUND` replaces the bound of the workload's first goal for that pair
+(e.g. cache on against cache off, TTFT p50 <= 0.25).
+
     .venv/bin/python benchmarks/compare.py \\
         --server baton=http://127.0.0.1:8000 --server vllm=http://127.0.0.1:8001 \\
         [--start 'baton=baton serve --port 8000'] \\
@@ -44,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve_load import (LoadResult, LoadSetupError, fetch_model_id,  # noqa: E402
                                    normalize_base_url, run_cli, run_load)
+from benchmarks.workloads import add_workload_args, run_workload, workload_options  # noqa: E402
 
 # (label, concurrency, LoadResult attribute, format)
 COLUMNS = [
@@ -59,6 +67,30 @@ GOALS = [
     ("c=1 inter-token p50 ratio", 1, "itl_p50_ms", "<=", 0.4),
     ("c=32 TTFT p50 ratio", 32, "ttft_p50_ms", "<=", 1.0),
 ]
+
+
+# --workload: (label, figure, format) columns and (description, figure, op, bound) goals
+_TTFT_TOKS = [("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"), ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
+              ("output tok/s", "output_tok_per_s", "{:.1f}"), ("e2e p50 (s)", "e2e_p50_s", "{:.2f}"),
+              ("cached share", "cached_share", "{:.2f}")]
+WORKLOAD_COLUMNS = {
+    "shared-prefix": _TTFT_TOKS,
+    "multi-turn": _TTFT_TOKS[:1] + [("TTFT p50 turns 2+ (ms)", "later_ttft_p50_ms", "{:.0f}")]
+    + _TTFT_TOKS[1:],
+    "long-prefill": [("short TTFT p50 idle (ms)", "short_ttft_p50_idle_ms", "{:.0f}"),
+                     ("short TTFT p50 during (ms)", "short_ttft_p50_during_ms", "{:.0f}"),
+                     ("short TTFT max during (ms)", "short_ttft_max_during_ms", "{:.0f}"),
+                     ("long prompt TTFT (ms)", "long_ttft_ms", "{:.0f}"),
+                     ("slowdown p50", "slowdown_p50", "{:.2f}")],
+}
+WORKLOAD_GOALS = {
+    "shared-prefix": [("TTFT p50 ratio", "ttft_p50_ms", "<=", 1.0),
+                      ("output tok/s ratio", "output_tok_per_s", ">=", 1.0)],
+    "multi-turn": [("TTFT p50 ratio", "ttft_p50_ms", "<=", 1.0),
+                   ("output tok/s ratio", "output_tok_per_s", ">=", 1.0)],
+    "long-prefill": [("short TTFT p50 during long prefill ratio", "short_ttft_p50_during_ms",
+                      "<=", 1.0)],
+}
 
 
 def parse_pairs(values: list[str], what: str) -> dict[str, str]:
@@ -115,19 +147,7 @@ async def measure(name: str, base_url: str, args: argparse.Namespace,
     model = await fetch_model_id(base_url, args.api_key, 30.0)
     common = dict(prompt_len=args.prompt_len, seed=seed, vocab=args.vocab,
                   api_key=args.api_key, timeout=args.timeout)
-    # Warm-up; a server that listens before its model is loaded answers 503
-    # until then, so that is retried (up to --start-timeout).
-    deadline = time.monotonic() + args.start_timeout
-    while True:
-        warm = await run_load(base_url, model, 1, 1, output_len=min(4, args.output_len),
-                              first_request=0, **common)
-        if not warm.num_errors:
-            break
-        rec = warm.requests[0]
-        if rec.error != "http 503" or time.monotonic() > deadline:
-            raise LoadSetupError(f"{name}: warm-up request failed: {rec.error}: "
-                                 f"{rec.error_detail}")
-        await asyncio.sleep(1.0)
+    await _warm_up(name, base_url, model, args, common)
     results: dict[int, LoadResult] = {}
     next_request = 1
     for concurrency, n in zip(args.concurrency, args.num_requests):
@@ -145,6 +165,79 @@ async def measure(name: str, base_url: str, args: argparse.Namespace,
             raise LoadSetupError(f"{name} c={concurrency}: {result.num_short} requests came "
                                  f"back short (ignore_eos not honoured?)")
     return results
+
+
+async def _warm_up(name: str, base_url: str, model: str, args: argparse.Namespace,
+                   common: dict) -> None:
+    """One short request; a server that listens before its model is loaded
+    answers 503 until then, so that is retried (up to --start-timeout)."""
+    deadline = time.monotonic() + args.start_timeout
+    while True:
+        warm = await run_load(base_url, model, 1, 1, output_len=min(4, args.output_len),
+                              first_request=0, **common)
+        if not warm.num_errors:
+            return
+        rec = warm.requests[0]
+        if rec.error != "http 503" or time.monotonic() > deadline:
+            raise LoadSetupError(f"{name}: warm-up request failed: {rec.error}: "
+                                 f"{rec.error_detail}")
+        await asyncio.sleep(1.0)
+
+
+async def measure_workload(name: str, base_url: str, args: argparse.Namespace,
+                           seed: int) -> dict:
+    """One --workload against one server: its figures."""
+    model = await fetch_model_id(base_url, args.api_key, 30.0)
+    # the warm-up's prompt is drawn from another seed than the workload's
+    await _warm_up(name, base_url, model, args,
+                   dict(prompt_len=8, seed=seed + 1, vocab=args.vocab, api_key=args.api_key,
+                        timeout=args.timeout))
+    try:
+        figures = await run_workload(args.workload, base_url, model, seed,
+                                     workload_options(args))
+    except RuntimeError as exc:
+        raise LoadSetupError(f"{name}: {exc}") from None
+    cells = [f"{label} {_fmt(figures.get(key), fmt)}"
+             for label, key, fmt in WORKLOAD_COLUMNS[args.workload]]
+    print(f"  {name}: " + ", ".join(cells), flush=True)
+    return figures
+
+
+def figure_table(all_figures: dict[str, list[dict]], workload: str) -> list[str]:
+    columns = WORKLOAD_COLUMNS[workload]
+    lines = ["| server | " + " | ".join(c[0] for c in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for name, rounds in all_figures.items():
+        cells = [_fmt(_median(rounds, key), fmt) for _label, key, fmt in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _median(rounds: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rounds if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def figure_ratios(all_figures: dict[str, list[dict]], workload: str,
+                  pairs: list[tuple[str, str]], bounds: dict[tuple[str, str], float]
+                  ) -> tuple[list[str], list[dict]]:
+    names = list(all_figures)
+    pairs = pairs or [(names[0], other) for other in names[1:]]
+    lines, report = [], []
+    for first, other in pairs:
+        for index, (desc, key, op, bound) in enumerate(WORKLOAD_GOALS[workload]):
+            if index == 0:
+                bound = bounds.get((first, other), bound)
+            a, b = _median(all_figures[first], key), _median(all_figures[other], key)
+            if a is None or not b:
+                continue
+            ratio = a / b
+            met = ratio >= bound if op == ">=" else ratio <= bound
+            lines.append(f"{first} / {other}: {desc} {ratio:.2f} (goal {op} {bound}) "
+                         f"{'met' if met else 'NOT met'}")
+            report.append({"server": first, "peer": other, "goal": desc, "ratio": ratio,
+                           "bound": bound, "op": op, "met": met})
+    return lines, report
 
 
 def _fmt(value: float | None, fmt: str) -> str:
@@ -203,7 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "and stop it afterwards")
     ap.add_argument("--pair", action="append", default=[], metavar="NAME:PEER",
                     help="report goal ratios of NAME against PEER (repeatable; default: "
-                         "the first server against each other one)")
+                         "the first server against each other one); NAME:PEER:BOUND also "
+                         "replaces the first goal's bound for this pair")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every server this many times, alternating; the table "
@@ -219,6 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     ap.add_argument("--log-dir", default=".", help="where started servers' output goes")
     ap.add_argument("--json", default=None, metavar="OUT.json")
+    add_workload_args(ap)
     args = ap.parse_args(argv)
     args.servers = parse_pairs(args.server, "--server")
     args.starts = parse_pairs(args.start, "--start")
@@ -228,11 +323,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         ap.error(f"--start names a server not given with --server: {sorted(unknown)}")
     args.pairs = []
+    args.pair_bounds = {}
     for pair in args.pair:
-        a, sep, b = pair.partition(":")
+        a, sep, rest = pair.partition(":")
+        b, _, bound = rest.partition(":")
         if not sep or a not in args.servers or b not in args.servers:
-            ap.error(f"--pair takes NAME:PEER of two --server names, got {pair!r}")
+            ap.error(f"--pair takes NAME:PEER[:BOUND] of two --server names, got {pair!r}")
         args.pairs.append((a, b))
+        if bound:
+            try:
+                args.pair_bounds[(a, b)] = float(bound)
+            except ValueError:
+                ap.error(f"--pair {pair!r}: BOUND must be a number")
     if args.num_requests is None:
         args.num_requests = [max(8, 4 * c) for c in args.concurrency]
     if len(args.num_requests) != len(args.concurrency):
@@ -256,12 +358,21 @@ async def _main(args: argparse.Namespace) -> int:
                 if started:
                     print(f"starting {name} (round {round_index + 1}) ...", flush=True)
                     await started.wait_ready(base, args.start_timeout)
+                if args.workload != "random":
+                    # the same prompts for every server; a fresh seed per
+                    # round (a server kept running would still have them)
+                    run_seed = seed + 7_919_993 * round_index
+                    all_results[name].append(
+                        await measure_workload(name, base, args, run_seed))
+                    continue
                 # A distinct seed per server and round: no prompt is ever resent.
                 run_seed = seed + 1_000_003 * k + 7_919_993 * round_index
                 all_results[name].append(await measure(name, base, args, run_seed))
             finally:
                 if started:
                     started.stop()
+    if args.workload != "random":
+        return _report_workload(args, date, seed, all_results)
     print()
     print(f"{date} · prompt {args.prompt_len} random token ids · output {args.output_len} "
           f"tokens (ignore_eos, temperature 0, streaming) · requests per concurrency "
@@ -283,6 +394,27 @@ async def _main(args: argparse.Namespace) -> int:
                                        for res in rounds]
                                    for n, rounds in all_results.items()},
                        "ratios": report}, f, indent=2)
+    return 0
+
+
+def _report_workload(args: argparse.Namespace, date: str, seed: int,
+                     all_results: dict[str, list[dict]]) -> int:
+    print()
+    print(f"{date} · workload {args.workload} · {workload_options(args) | {'api_key': None}} "
+          f"· median of {args.rounds} round(s)")
+    print()
+    for line in figure_table(all_results, args.workload):
+        print(line)
+    lines, report = figure_ratios(all_results, args.workload, args.pairs, args.pair_bounds)
+    print()
+    for line in lines:
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": date, "seed": seed, "workload": args.workload,
+                       "options": workload_options(args) | {"api_key": None},
+                       "rounds": args.rounds, "servers": all_results, "ratios": report},
+                      f, indent=2)
     return 0
 
 

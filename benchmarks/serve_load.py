@@ -71,6 +71,9 @@ class RequestRecord:
     output_tokens: int = 0
     token_events: int = 0
     itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int | None = None   # from the usage chunk
+    cached_tokens: int | None = None   # usage.prompt_tokens_details.cached_tokens, if sent
+    text: str = ""                     # the streamed text (multi-turn sends it back)
 
     def fail(self, kind: str, detail: str = "") -> None:
         self.error, self.error_detail = kind, detail[:300]
@@ -78,7 +81,8 @@ class RequestRecord:
     def summary(self) -> dict[str, Any]:
         return {"index": self.index, "error": self.error, "error_detail": self.error_detail,
                 "ttft_s": self.ttft_s, "e2e_s": self.e2e_s,
-                "output_tokens": self.output_tokens, "token_events": self.token_events}
+                "output_tokens": self.output_tokens, "token_events": self.token_events,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
 
 
 @dataclass(slots=True)
@@ -111,6 +115,10 @@ class LoadResult:
     e2e_p50_s: float | None
     e2e_p99_s: float | None
     requests: list[RequestRecord]
+    # prompt tokens the server reported, and the share it said came from its
+    # prefix cache (None when it reports no cached tokens)
+    prompt_tokens: int = 0
+    cached_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "requests"}
@@ -159,10 +167,16 @@ class _StreamFailed(Exception):
 
 
 class _StreamTally:
-    """Timestamps and counts of one completion stream, event by event."""
+    """Timestamps and counts of one completion stream, event by event. A chat
+    stream carries text in ``delta.content`` and opens with a role-only chunk,
+    which is not a token."""
 
-    def __init__(self, t_send: float) -> None:
+    def __init__(self, t_send: float, chat: bool = False) -> None:
         self.t_send = t_send
+        self.chat = chat
+        self.text: list[str] = []
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
         self.ttft_s: float | None = None
         self.t_done: float | None = None
         self.t_last_token: float | None = None
@@ -186,24 +200,43 @@ class _StreamTally:
         usage = event.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage_tokens = usage["completion_tokens"]
+            self.prompt_tokens = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.cached_tokens = details["cached_tokens"]
         choices = [c for c in event.get("choices") or () if isinstance(c, dict)]
         if not choices:
             return
-        if self.ttft_s is None:
-            self.ttft_s = now - self.t_send
         self.finished |= any(c.get("finish_reason") for c in choices)
-        # A chunk with empty text that only closes the stream is not a token;
-        # one with empty text and no finish_reason is (text held back by a detokenizer).
-        if any(c.get("text") or not c.get("finish_reason") for c in choices):
+        if any(self._is_token(c) for c in choices):
+            if self.ttft_s is None:
+                self.ttft_s = now - self.t_send
             if self.t_last_token is not None:
                 self.itl_s.append(now - self.t_last_token)
             self.t_last_token = now
             self.token_events += 1
 
+    def _is_token(self, choice: dict) -> bool:
+        # A chunk with empty text that only closes the stream is not a token;
+        # one with empty text and no finish_reason is (text held back by a
+        # detokenizer), unless it is a chat stream's opening role chunk.
+        if self.chat:
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
+            if content:
+                self.text.append(content)
+                return True
+            return not choice.get("finish_reason") and "role" not in delta
+        text = choice.get("text")
+        if text:
+            self.text.append(text)
+            return True
+        return not choice.get("finish_reason")
+
 
 async def _stream_completion(session: aiohttp.ClientSession, url: str, body: bytes,
                              headers: dict[str, str], record: RequestRecord) -> None:
-    tally = _StreamTally(time.perf_counter())
+    tally = _StreamTally(time.perf_counter(), chat=url.endswith("/chat/completions"))
     async with session.post(url, data=body, headers=headers) as resp:
         if resp.status != 200:
             raise _StreamFailed(f"http {resp.status}", await resp.text(errors="replace"))
@@ -226,9 +259,12 @@ async def _stream_completion(session: aiohttp.ClientSession, url: str, body: byt
     record.token_events = tally.token_events
     record.output_tokens = (tally.usage_tokens if tally.usage_tokens is not None
                             else tally.token_events)
+    record.prompt_tokens = tally.prompt_tokens
+    record.cached_tokens = tally.cached_tokens
+    record.text = "".join(tally.text)
 
 
-async def _timed_request(session: aiohttp.ClientSession, url: str, body: bytes,
+async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes,
                          headers: dict[str, str], record: RequestRecord,
                          timeout: float) -> None:
     try:
@@ -284,7 +320,7 @@ def _percentile(values: list[float], q: float, scale: float) -> float | None:
     return float(np.percentile(values, q)) * scale if values else None
 
 
-def _summarize(records: list[RequestRecord], wall_s: float, **run: Any) -> LoadResult:
+def summarize(records: list[RequestRecord], wall_s: float, **run: Any) -> LoadResult:
     ok = [r for r in records if r.error is None]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [gap for r in ok for gap in r.itl_s]
@@ -292,6 +328,10 @@ def _summarize(records: list[RequestRecord], wall_s: float, **run: Any) -> LoadR
     tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok
             if r.output_tokens > 1 and r.ttft_s is not None and r.e2e_s is not None]
     output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    cached_share = (sum(r.cached_tokens for r in reported)
+                    / sum(r.prompt_tokens for r in reported)) if reported else None
     return LoadResult(
         **run, num_ok=len(ok), num_errors=len(records) - len(ok),
         errors=dict(Counter(r.error for r in records if r.error is not None)),
@@ -303,7 +343,31 @@ def _summarize(records: list[RequestRecord], wall_s: float, **run: Any) -> LoadR
         itl_p50_ms=_percentile(itl, 50, 1e3), itl_p99_ms=_percentile(itl, 99, 1e3),
         tpot_p50_ms=_percentile(tpot, 50, 1e3),
         e2e_p50_s=_percentile(e2e, 50, 1.0), e2e_p99_s=_percentile(e2e, 99, 1.0),
-        requests=records)
+        requests=records, prompt_tokens=prompt_tokens, cached_share=cached_share)
+
+
+def client_session(limit: int) -> aiohttp.ClientSession:
+    """Requests are bounded by their own `timeout` (asyncio.wait_for), not the session."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0),
+        timeout=aiohttp.ClientTimeout(total=None))
+
+
+async def run_pool(url: str, bodies: list[bytes], concurrency: int, api_key: str | None,
+                   timeout: float) -> tuple[list[RequestRecord], float]:
+    """Send every body, `concurrency` in flight at a time; (records, wall seconds)."""
+    records = [RequestRecord(i) for i in range(len(bodies))]
+    headers = auth_headers(api_key)
+    pending = iter(range(len(bodies)))  # shared: each index is taken by exactly one worker
+    async with client_session(concurrency) as session:
+        async def worker() -> None:
+            for i in pending:
+                await timed_request(session, url, bodies[i], headers, records[i], timeout)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(bodies)))))
+        wall_s = time.perf_counter() - t0
+    return records, wall_s
 
 
 async def run_load(base_url: str, model: str | None, concurrency: int, num_requests: int,
@@ -339,22 +403,9 @@ async def run_load(base_url: str, model: str | None, concurrency: int, num_reque
         "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True},
     }).encode() for i in range(num_requests)]
-    records = [RequestRecord(i) for i in range(num_requests)]
-    url, headers = base + "/v1/completions", auth_headers(api_key)
-    pending = iter(range(num_requests))  # shared: each index is taken by exactly one worker
-
-    # Each request is bounded by `timeout` (asyncio.wait_for), not the session.
-    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
-        async def worker() -> None:
-            for i in pending:
-                await _timed_request(session, url, bodies[i], headers, records[i], timeout)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, num_requests))))
-        wall_s = time.perf_counter() - t0
-    return _summarize(records, wall_s, base_url=base, model=model, concurrency=concurrency,
+    records, wall_s = await run_pool(base + "/v1/completions", bodies, concurrency,
+                                     api_key, timeout)
+    return summarize(records, wall_s, base_url=base, model=model, concurrency=concurrency,
                       num_requests=num_requests, prompt_len=prompt_len,
                       output_len=output_len, text_prompts=text_prompts, seed=seed,
                       first_request=first_request)
@@ -410,15 +461,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the one short request sent before the first run")
     ap.add_argument("--json", default=None, metavar="OUT.json", help="write all figures here")
+    _workloads().add_workload_args(ap)
     args = ap.parse_args(argv)
     if min(args.concurrency) < 1 or (args.num_requests is not None and args.num_requests < 1):
         ap.error("--concurrency and --num-requests must be at least 1")
     return args
 
 
+def _workloads():
+    """benchmarks/workloads.py, which builds on this module (imported late;
+    this file also runs as a script)."""
+    import importlib
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("benchmarks.workloads")
+
+
+async def _main_workload(args: argparse.Namespace, base: str, seed: int) -> int:
+    workloads = _workloads()
+    model = args.model or await fetch_model_id(base, args.api_key, min(args.timeout, 30.0))
+    options = workloads.workload_options(args)
+    try:
+        figures = await workloads.run_workload(args.workload, base, model, seed, options)
+    except RuntimeError as exc:
+        print(f"serve_load: {exc}", file=sys.stderr)
+        return 1
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{date} · {base} · model `{model}` · workload {args.workload} · "
+          f"{options | {'api_key': None}} · seed {seed}")
+    for key, value in figures.items():
+        if key != "result":
+            print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": date, "base_url": base, "model": model, "seed": seed,
+                       "workload": args.workload, "options": options | {"api_key": None},
+                       "figures": figures}, f, indent=2)
+    return 0
+
+
 async def _main(args: argparse.Namespace) -> int:
     base = normalize_base_url(args.base_url)
     seed = secrets.randbits(63) if args.seed is None else args.seed
+    if args.workload != "random":
+        return await _main_workload(args, base, seed)
     common = dict(prompt_len=args.prompt_len, seed=seed, vocab=args.vocab,
                   text_prompts=args.text_prompts, api_key=args.api_key, timeout=args.timeout)
     model = args.model or await fetch_model_id(base, args.api_key, min(args.timeout, 30.0))

@@ -108,3 +108,28 @@ def test_needs_two_servers_and_known_pairs():
     with pytest.raises(SystemExit):
         compare.parse_args(two + ["--pair", "a:c"])
     assert compare.parse_args(two + ["--pair", "b:a"]).pairs == [("b", "a")]
+
+
+async def test_workload_table_same_prompts_for_each_server_and_pair_bounds(
+        fake_server, tmp_path, capsys):  # noqa: F811
+    a_url, a = await fake_server()
+    b_url, b = await fake_server(tokens_per_chunk=1)
+    out = tmp_path / "w.json"
+    args = compare.parse_args([
+        "--server", f"on={a_url}", "--server", f"off={b_url}", "--workload", "shared-prefix",
+        "--users", "3", "--requests-per-user", "2", "--prefix-len", "40",
+        "--question-len", "5", "--output-len", "4", "--seed", "9", "--vocab", "3000",
+        "--pair", "on:off:0.25", "--json", str(out)])
+    assert await compare._main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| server | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | e2e p50 (s) " \
+           "| cached share |" in printed
+    assert "on / off: TTFT p50 ratio" in printed and "(goal <= 0.25)" in printed
+    assert "on / off: output tok/s ratio" in printed and "(goal >= 1.0)" in printed
+    # the workload's prompts are the same for both servers (after each warm-up)
+    assert a.prompts[1:] == b.prompts[1:] and len(a.prompts) == 1 + 1 + 6
+    report = json.loads(out.read_text())
+    assert report["workload"] == "shared-prefix"
+    assert report["servers"]["on"][0]["num_ok"] == 6
+    assert report["servers"]["on"][0]["cached_share"] == pytest.approx(32 / 45)
+    assert [r["bound"] for r in report["ratios"]] == [0.25, 1.0]

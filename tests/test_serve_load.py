@@ -52,10 +52,27 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": MODEL_ID, "object": "model"}]})
 
 
+def _cached_tokens(prompt, earlier: list[dict]) -> int:
+    """As a prefix cache with 16-token blocks would find: the longest common
+    prefix with an earlier token-id prompt, in whole blocks, short of the end."""
+    if not isinstance(prompt, list):
+        return 0
+    best = 0
+    for body in earlier:
+        other = body.get("prompt")
+        if isinstance(other, list):
+            n = 0
+            while n < min(len(prompt), len(other)) and prompt[n] == other[n]:
+                n += 1
+            best = max(best, n)
+    return min(best, len(prompt) - 1) // 16 * 16
+
+
 async def _completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await request.json()
     fault = state.faults.get(len(state.bodies))
+    cached = _cached_tokens(body["prompt"], state.bodies)
     state.bodies.append(body)
     if fault == "429":
         return web.json_response({"error": {"message": "busy", "type": "rate_limit"}},
@@ -81,11 +98,35 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         if state.send_usage:
             await resp.write(_sse({"choices": [], "usage": {
                 "prompt_tokens": len(body["prompt"]), "completion_tokens": n,
-                "total_tokens": len(body["prompt"]) + n}}))
+                "total_tokens": len(body["prompt"]) + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}}))
         await resp.write(b"data: [DONE]\n\n")
         return resp
     finally:
         state.in_flight -= 1
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    """A chat stream as servers send it: a role-only chunk first, then content."""
+    state = request.app[STATE]
+    body = await request.json()
+    state.bodies.append(body)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(_sse({"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                              "content": ""}}]}))
+    await asyncio.sleep(0.02)
+    n = body["max_tokens"]
+    for i in range(n):
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": f"w{i} "},
+                                            "finish_reason": "length" if i == n - 1
+                                            else None}]}))
+    prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])
+    await resp.write(_sse({"choices": [], "usage": {
+        "prompt_tokens": prompt_tokens, "completion_tokens": n,
+        "total_tokens": prompt_tokens + n}}))
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
 
 
 @pytest.fixture
@@ -98,6 +139,7 @@ async def fake_server():
         app[STATE] = state
         app.router.add_get("/v1/models", _models)
         app.router.add_post("/v1/completions", _completions)
+        app.router.add_post("/v1/chat/completions", _chat)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await runner.setup()
         runners.append(runner)
@@ -222,3 +264,59 @@ async def test_cli_prints_markdown_table_and_writes_json(fake_server, tmp_path):
     assert [(r["concurrency"], r["output_tokens"]) for r in report["runs"]] == [(1, 32), (2, 32)]
     assert len(server.prompts) == 1 + 8 + 8  # warm-up, then 8 per run
     _assert_all_distinct(server.prompts)
+
+
+# --------------------------------------------------- prefix-cache workloads
+
+async def test_shared_prefix_workload_shares_exactly_the_prefix(fake_server):
+    from benchmarks.workloads import run_shared_prefix
+    url, state = await fake_server()
+    r = await run_shared_prefix(url, MODEL_ID, users=4, requests_per_user=2, prefix_len=64,
+                                question_len=8, output_len=5, seed=3, vocab=5000)
+    assert r.num_ok == 8 and r.num_errors == 0 and r.output_tokens == 40
+    prompts = state.prompts
+    assert len(prompts) == 9  # the warm-up, then the measured ones
+    assert all(p[:64] == prompts[0][:64] for p in prompts)
+    _assert_all_distinct([p[64:] for p in prompts])
+    assert all(MIN_TOKEN_ID <= t < 5000 for p in prompts for t in p)
+    # the fake reports what a 16-token-block cache finds: the whole prefix
+    assert r.cached_share == pytest.approx(64 / 72)
+    assert r.prompt_tokens == 8 * 72
+
+
+async def test_multi_turn_workload_resends_the_history(fake_server):
+    from benchmarks.workloads import run_multi_turn
+    url, state = await fake_server()
+    everything, later = await run_multi_turn(url, MODEL_ID, users=3, turns=3,
+                                             context_words=20, question_words=4,
+                                             output_len=3, seed=1)
+    assert everything.num_ok == 9 and later.num_ok == 6
+    assert everything.output_tokens == 27
+    # TTFT is the first content, after the role chunk's 20 ms
+    assert everything.ttft_p50_ms >= 20
+    by_context: dict[str, list[list[dict]]] = {}
+    for body in state.bodies:
+        assert body["stream"] and body["max_tokens"] == 3
+        by_context.setdefault(body["messages"][0]["content"], []).append(body["messages"])
+    assert len(by_context) == 3  # a context per user
+    for turns in by_context.values():
+        assert [len(m) for m in turns] == [2, 4, 6]
+        for before, after in zip(turns, turns[1:]):
+            assert after[:len(before)] == before
+            assert after[len(before)] == {"role": "assistant", "content": "w0 w1 w2 "}
+            assert after[-1]["role"] == "user"
+
+
+async def test_long_prefill_workload_times_shorts_idle_and_during(fake_server):
+    from benchmarks.workloads import run_long_prefill
+    url, state = await fake_server()
+    figures = await run_long_prefill(url, MODEL_ID, long_len=50, short_len=6, num_short=3,
+                                     spacing_s=0.01, delay_s=0.01, output_len=4, seed=2,
+                                     vocab=4000)
+    lengths = [len(p) for p in state.prompts]
+    assert lengths[:3] == [6, 6, 6] and sorted(lengths[3:]) == [6, 6, 6, 50]
+    _assert_all_distinct(state.prompts)
+    for key in ("short_ttft_p50_idle_ms", "short_ttft_p50_during_ms",
+                "short_ttft_max_during_ms", "long_ttft_ms", "slowdown_p50"):
+        assert figures[key] > 0, key
+    assert figures["short_ttft_max_during_ms"] >= figures["short_ttft_p50_during_ms"]

@@ -1,0 +1,234 @@
+"""Prefix-cache and fairness workloads for serve_load.py and compare.py.
+
+They reuse serve_load's streaming client and figures; only the prompts and
+the arrival pattern differ from its random workload:
+
+- ``shared-prefix``: ``users`` clients at once, each sending ``requests_per_user``
+  completions one after another; every prompt is one common system prompt
+  (``prefix_len`` token ids) followed by a question of its own
+  (``question_len`` token ids). One request with the prefix goes first (not
+  measured): a running service has its system prompt cached.
+- ``multi-turn``: ``users`` chat conversations at once, ``turns`` turns each;
+  every turn resends the whole history (a user-specific context of
+  ``context_words`` words, then each question and the answer streamed back)
+  plus a new question of ``question_words`` words.
+- ``long-prefill``: ``num_short`` short completions (``short_len`` token ids)
+  arriving ``spacing_s`` apart on an idle server, then the same number of
+  such requests (fresh prompts of the same shape) arriving while one
+  ``long_len``-token prompt is being prefilled: their time to first token,
+  idle against during.
+
+Every request is greedy with ``ignore_eos``, streamed with usage; token ids
+are drawn from [MIN_TOKEN_ID, vocab) by an RNG seeded with (seed, stream, k),
+so runs reproduce and no two requests of a run share more than intended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.serve_load import (_WORDS, MIN_TOKEN_ID, LoadResult, RequestRecord,
+                                   auth_headers, client_session, normalize_base_url,
+                                   run_pool, summarize, timed_request)
+
+WORKLOADS = ("shared-prefix", "multi-turn", "long-prefill")
+
+# RNG streams, so that prefixes, questions and contexts never coincide
+_PREFIX, _QUESTION, _CONTEXT, _LONG, _SHORT = range(1, 6)
+
+
+def token_ids(seed: int, stream: int, index: int, n: int, vocab: int) -> list[int]:
+    rng = np.random.default_rng([seed, stream, index])
+    return rng.integers(MIN_TOKEN_ID, vocab, n).tolist()
+
+
+def words(seed: int, stream: int, index: int, n: int) -> str:
+    rng = np.random.default_rng([seed, stream, index])
+    return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), n))
+
+
+def _completion(model: str, prompt: list[int], output_len: int) -> bytes:
+    return json.dumps({
+        "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }).encode()
+
+
+def _run_fields(base: str, model: str, users: int, num_requests: int, prompt_len: int,
+                output_len: int, seed: int) -> dict[str, Any]:
+    return dict(base_url=base, model=model, concurrency=users, num_requests=num_requests,
+                prompt_len=prompt_len, output_len=output_len, text_prompts=False, seed=seed,
+                first_request=0)
+
+
+async def run_shared_prefix(base_url: str, model: str, *, users: int = 32, requests_per_user: int = 2,
+                            prefix_len: int = 1000, question_len: int = 100,
+                            output_len: int = 64, seed: int = 0, vocab: int = 49152,
+                            api_key: str | None = None, timeout: float = 900.0) -> LoadResult:
+    base = normalize_base_url(base_url)
+    url = base + "/v1/completions"
+    prefix = token_ids(seed, _PREFIX, 0, prefix_len, vocab)
+    warm, _ = await run_pool(url, [_completion(
+        model, prefix + token_ids(seed, _QUESTION, 10**6, question_len, vocab), 4)],
+        1, api_key, timeout)
+    if warm[0].error:
+        raise RuntimeError(f"warm-up failed: {warm[0].error}: {warm[0].error_detail}")
+    n = users * requests_per_user
+    bodies = [_completion(model, prefix + token_ids(seed, _QUESTION, k, question_len, vocab),
+                          output_len) for k in range(n)]
+    records, wall_s = await run_pool(url, bodies, users, api_key, timeout)
+    return summarize(records, wall_s, **_run_fields(base, model, users, n,
+                                                    prefix_len + question_len, output_len,
+                                                    seed))
+
+
+async def run_multi_turn(base_url: str, model: str, *, users: int = 16, turns: int = 4,
+                         context_words: int = 400, question_words: int = 30,
+                         output_len: int = 64, seed: int = 0, api_key: str | None = None,
+                         timeout: float = 900.0) -> tuple[LoadResult, LoadResult]:
+    """(every turn, turns 2 and later): the later turns are where a prefix
+    cache finds the conversation so far."""
+    base = normalize_base_url(base_url)
+    url = base + "/v1/chat/completions"
+    headers = auth_headers(api_key)
+    records = [[RequestRecord(u * turns + t) for t in range(turns)] for u in range(users)]
+
+    async def conversation(session, user: int) -> None:
+        messages = [{"role": "system", "content": words(seed, _CONTEXT, user, context_words)}]
+        for turn in range(turns):
+            question = words(seed, _QUESTION, user * turns + turn, question_words)
+            messages.append({"role": "user", "content": question})
+            body = json.dumps({
+                "model": model, "messages": messages, "max_tokens": output_len,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}).encode()
+            record = records[user][turn]
+            await timed_request(session, url, body, headers, record, timeout)
+            if record.error:
+                return  # the conversation cannot go on without its answer
+            messages.append({"role": "assistant", "content": record.text})
+
+    async with client_session(users) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(session, u) for u in range(users)))
+        wall_s = time.perf_counter() - t0
+    everything = [r for user in records for r in user]
+    later = [r for user in records for r in user[1:]]
+    fields = _run_fields(base, model, users, len(everything), context_words, output_len, seed)
+    return (summarize(everything, wall_s, **fields),
+            summarize(later, wall_s, **{**fields, "num_requests": len(later)}))
+
+
+async def run_long_prefill(base_url: str, model: str, *, long_len: int = 4000,
+                           short_len: int = 100, num_short: int = 8, spacing_s: float = 0.1,
+                           delay_s: float = 0.1, output_len: int = 16, seed: int = 0,
+                           vocab: int = 49152, api_key: str | None = None,
+                           timeout: float = 900.0) -> dict[str, Any]:
+    """Short requests' TTFT on an idle server, then while a long prompt is
+    being prefilled (the first short one ``delay_s`` after the long one)."""
+    base = normalize_base_url(base_url)
+    url = base + "/v1/completions"
+    headers = auth_headers(api_key)
+
+    async def send(session, body: bytes, at: float, record: RequestRecord) -> None:
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        await timed_request(session, url, body, headers, record, timeout)
+
+    async def shorts(session, first: int, start: float) -> list[RequestRecord]:
+        recs = [RequestRecord(first + i) for i in range(num_short)]
+        await asyncio.gather(*(send(session, _completion(
+            model, token_ids(seed, _SHORT, first + i, short_len, vocab), output_len),
+            start + i * spacing_s, rec) for i, rec in enumerate(recs)))
+        return recs
+
+    async with client_session(num_short + 1) as session:
+        idle = await shorts(session, 0, time.perf_counter())
+        long_rec = RequestRecord(-1)
+        t0 = time.perf_counter()
+        long_task = asyncio.ensure_future(send(session, _completion(
+            model, token_ids(seed, _LONG, 0, long_len, vocab), output_len), t0, long_rec))
+        during = await shorts(session, num_short, t0 + delay_s)
+        await long_task
+    failed = [r for r in idle + during + [long_rec] if r.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed; first: {failed[0].error}: "
+                           f"{failed[0].error_detail}")
+
+    def ttft_ms(recs: list[RequestRecord], q: float) -> float:
+        return float(np.percentile([r.ttft_s for r in recs], q)) * 1e3
+
+    # a short request "during" must have arrived before the long one's first token
+    arrived_during = sum(delay_s + i * spacing_s < (long_rec.ttft_s or 0.0)
+                         for i in range(num_short))
+    return {
+        "short_ttft_p50_idle_ms": ttft_ms(idle, 50),
+        "short_ttft_p50_during_ms": ttft_ms(during, 50),
+        "short_ttft_max_during_ms": ttft_ms(during, 100),
+        "long_ttft_ms": long_rec.ttft_s * 1e3,
+        "slowdown_p50": ttft_ms(during, 50) / ttft_ms(idle, 50),
+        "shorts_arrived_during_prefill": arrived_during,
+        "long_len": long_len, "short_len": short_len, "num_short": num_short,
+    }
+
+
+async def run_workload(workload: str, base_url: str, model: str, seed: int,
+                       options: dict[str, Any]) -> dict[str, Any]:
+    """One workload's figures as a flat dict (compare.py's table and ratios)."""
+    if workload == "shared-prefix":
+        r = await run_shared_prefix(base_url, model, seed=seed, **options)
+        return {**_figures(r), "result": r.to_dict()}
+    if workload == "multi-turn":
+        everything, later = await run_multi_turn(base_url, model, seed=seed, **options)
+        return {**_figures(everything), "later_ttft_p50_ms": later.ttft_p50_ms,
+                "later_cached_share": later.cached_share, "result": everything.to_dict()}
+    if workload == "long-prefill":
+        return await run_long_prefill(base_url, model, seed=seed, **options)
+    raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
+
+
+def _figures(r: LoadResult) -> dict[str, Any]:
+    if r.num_errors:
+        first = next(x for x in r.requests if x.error)
+        raise RuntimeError(f"{r.num_errors} requests failed: {r.errors}; first: "
+                           f"{first.error_detail!r}")
+    return {"ttft_p50_ms": r.ttft_p50_ms, "ttft_p99_ms": r.ttft_p99_ms,
+            "output_tok_per_s": r.output_tok_per_s, "req_per_s": r.req_per_s,
+            "itl_p50_ms": r.itl_p50_ms, "e2e_p50_s": r.e2e_p50_s,
+            "cached_share": r.cached_share, "num_ok": r.num_ok, "wall_s": r.wall_s}
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workload", default="random", choices=("random", *WORKLOADS),
+                    help="random: fresh random prompts at each --concurrency; the others: "
+                         "benchmarks/workloads.py")
+    ap.add_argument("--users", type=int, default=None,
+                    help="shared-prefix (default 32) and multi-turn (16) clients at once")
+    ap.add_argument("--requests-per-user", type=int, default=2, help="shared-prefix")
+    ap.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix")
+    ap.add_argument("--question-len", type=int, default=100, help="shared-prefix")
+    ap.add_argument("--turns", type=int, default=4, help="multi-turn")
+    ap.add_argument("--context-words", type=int, default=400, help="multi-turn")
+    ap.add_argument("--question-words", type=int, default=30, help="multi-turn")
+    ap.add_argument("--long-len", type=int, default=4000, help="long-prefill")
+    ap.add_argument("--short-len", type=int, default=100, help="long-prefill")
+    ap.add_argument("--num-short", type=int, default=8, help="long-prefill")
+
+
+def workload_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of the chosen workload's run_* function."""
+    common = dict(output_len=args.output_len, api_key=args.api_key, timeout=args.timeout)
+    if args.workload == "shared-prefix":
+        return dict(users=args.users or 32, requests_per_user=args.requests_per_user,
+                    prefix_len=args.prefix_len, question_len=args.question_len,
+                    vocab=args.vocab, **common)
+    if args.workload == "multi-turn":
+        return dict(users=args.users or 16, turns=args.turns, context_words=args.context_words,
+                    question_words=args.question_words, **common)
+    return dict(long_len=args.long_len, short_len=args.short_len, num_short=args.num_short,
+                vocab=args.vocab, **common)
