@@ -55,7 +55,8 @@ class TorchBackend:
                  max_positions: int | None = None, seed: int | None = None,
                  quantization: QuantizationSpec | None = None,
                  prepack: bool = True, native_kernels: bool = True,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None,
+                 bf16_weights: bool | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.config = loaded.config
@@ -71,10 +72,13 @@ class TorchBackend:
         # weights keep their bfloat16 values (Bf16WeightLinear streams them as
         # bf16 at small batches) and all arithmetic, activations and the KV
         # cache are float32, as llama.cpp runs a bf16 model on such CPUs.
+        # ``bf16_weights=True`` forces that mode on a CPU with native bf16 too
+        # (so the path AVX2-only CPUs run is tested everywhere).
+        if bf16_weights is None:
+            bf16_weights = not packing_supported(self.device, torch.bfloat16)
         gemv = None
         if (cpu_fast and dtype == torch.bfloat16 and not self.quantization.enabled
-                and not packing_supported(self.device, torch.bfloat16)
-                and packing_supported(self.device, torch.float32)):
+                and bf16_weights and packing_supported(self.device, torch.float32)):
             from backends.kernels import gemv_bf16
             gemv = gemv_bf16()
         self.bf16_weights = gemv is not None

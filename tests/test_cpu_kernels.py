@@ -4,6 +4,7 @@ linears against F.linear, and a whole backend with both against one without."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -101,6 +102,19 @@ def test_qkv_rope_store_into_a_bf16_cache_rounds_like_torch(kernel, qk_norm):
         assert b16[slots].abs().sum() > 0
 
 
+def test_silu_mul_matches_torch_over_the_whole_range(kernel):
+    """The kernels' own vectorised exp (no libmvec, no -ffast-math): silu
+    agrees with torch's from far negative to far positive, NaN stays NaN."""
+    from backends.kernels import fused_ops
+    gen = torch.Generator().manual_seed(2)
+    gate = torch.cat([torch.linspace(-120, 120, 4001), torch.randn(999, generator=gen) * 4,
+                      torch.tensor([float("nan"), 0.0, -0.0, 1e-40, -1e-40, 88.5, -88.5])])
+    up = torch.randn(gate.shape[0], generator=gen)
+    out = fused_ops().silu_mul(torch.cat([gate, up])[None])
+    ref = F.silu(gate) * up
+    torch.testing.assert_close(out[0], ref, atol=1e-6, rtol=2e-6, equal_nan=True)
+
+
 def test_kernel_ignores_slots_past_each_length(kernel):
     """Positions past a row's length (the rest of its last block, padding
     entries of its table) never reach the result, even when they hold NaN."""
@@ -136,6 +150,48 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     assert "LIB None" in out.stdout and "disabled" in out.stdout
 
 
+_FP_STATE_PROBE = """
+import ctypes, ctypes.util, json, platform
+import numpy as np
+
+libm = ctypes.CDLL(ctypes.util.find_library("m"))
+
+
+def fp_state():
+    env = (ctypes.c_uint8 * 64)()  # glibc's fenv_t: 32 bytes on x86-64
+    assert libm.fegetenv(env) == 0
+    # x86-64: the SSE control/status register (MXCSR) sits at byte 28; its
+    # low six bits are sticky exception flags (status, not control).
+    mxcsr = (int.from_bytes(bytes(env[28:32]), "little") & ~0x3F
+             if platform.machine() in ("x86_64", "AMD64") else None)
+    # Behaviour too: a subnormal input survives (no DAZ), a subnormal
+    # result is produced (no FTZ).
+    kept = (float(np.float32(1e-39) * np.float32(1.0)) != 0.0,
+            float(np.float32(1e-30) * np.float32(1e-10)) != 0.0)
+    return mxcsr, kept
+
+
+before = fp_state()
+import backends.kernels as k
+assert k.load() is not None, "kernels did not load"
+print("FP", json.dumps([before, fp_state()]))
+"""
+
+
+def test_loading_the_kernels_leaves_the_fp_control_state_alone(kernel, tmp_path):
+    """Building and loading the kernel library changes no floating-point
+    control bits of the process (a library linked with -ffast-math would set
+    flush-to-zero and denormals-are-zero for everything in it, torch included)."""
+    env = dict(os.environ, BATON_KERNEL_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _FP_STATE_PROBE], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("FP "))
+    before, after = json.loads(line[3:])
+    assert before[1] == [True, True], "subnormals were flushed before the kernels loaded"
+    assert after == before, f"the FP control state changed: {before} -> {after}"
+
+
 def test_portable_build_passes_the_same_tests(kernel, tmp_path):
     """The C kernels' portable paths (no AVX2/FMA: other x86 CPUs, ARM) are
     built with BATON_KERNEL_PORTABLE=1 and must pass this file's kernel and
@@ -149,7 +205,7 @@ def test_portable_build_passes_the_same_tests(kernel, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          "-k", "kernel_matches or ignores_slots or gemv or one_function or bf16_on_cpu "
-               "or rounds_like"],
+               "or rounds_like or silu_mul"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout
@@ -286,11 +342,12 @@ def test_bf16_on_cpu_without_native_bf16_uses_bf16_weights(kernel, packing, requ
     layer path; both must agree with the reference."""
     path = request.getfixturevalue(f"tiny_{arch}_dir")
     native = packing_supported(torch.device("cpu"), torch.bfloat16)
+    default = TorchBackend(load_model(path, dtype=torch.bfloat16), dtype=torch.bfloat16,
+                           block_size=4, num_kv_blocks=8)
+    assert default.bf16_weights == (not native)
+    # Forced where the CPU has native bf16, so this path is tested on every kind.
     bf16 = TorchBackend(load_model(path, dtype=torch.bfloat16), dtype=torch.bfloat16,
-                        block_size=4, num_kv_blocks=64)
-    if native:
-        assert not bf16.bf16_weights
-        pytest.skip("this CPU runs bfloat16 natively; the bf16-weights mode is not used")
+                        block_size=4, num_kv_blocks=64, bf16_weights=True)
     assert bf16.bf16_weights and bf16.compute_dtype == torch.float32
     assert bf16.model.fused_ops is not None and bf16.decode_kernel is not None
     # The KV cache keeps the model's dtype, bf16; the reference stores its

@@ -33,10 +33,12 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_attention.c", "fused_ops.c", "gemv_bf16.c", "decode_bf16.c")]
 _HEADERS = [Path(__file__).with_name("kernels.h")]
 _FLAG_SETS = (
-    # -ffast-math lets the softmax's expf vectorize (glibc's libmvec); the
-    # inputs are finite scores, so its assumptions hold.
-    ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"],
-    ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC"],
+    # No -ffast-math: linked with it, GCC adds crtfastmath, whose constructor
+    # sets flush-to-zero / denormals-are-zero for the whole process the moment
+    # the library loads. -fno-math-errno only lets sqrtf inline; the vector
+    # exp the kernels need is their own (kernels.h).
+    ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"],
+    ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"],
 )
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -16,6 +16,32 @@
 #endif
 
 #ifdef BATON_AVX2
+/* exp(x) for eight floats, within ~2 ulp over the normal range (range
+ * reduction by ln 2, a degree-6 polynomial, the exponent put in by integer
+ * arithmetic). Written here rather than left to the compiler: vectorised expf
+ * from glibc's libmvec needs -ffast-math, and -ffast-math at link time makes
+ * GCC add crtfastmath, which switches the whole process to flush-to-zero.
+ * Inputs are clamped to [-87.34, 88.0] (results 2^-126 .. 1.65e38); NaN
+ * stays NaN. */
+static inline __m256 baton_exp256(__m256 x) {
+    /* min/max return their second operand when one is NaN: x goes second. */
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3365448f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 /* The sum of a vector's eight lanes. */
 static inline float baton_hsum256(__m256 v) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -100,8 +126,38 @@ static inline void baton_rms_norm_row(float *x, const float *delta, const float 
 /* out = silu(gate) * up */
 static inline void baton_silu_mul_row(const float *gate, const float *up, float *out,
                                       int64_t n) {
-    #pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    int64_t i = 0;
+#ifdef BATON_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = baton_exp256(_mm256_sub_ps(zero, g));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
+                                                _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* x[i] = exp(x[i] - shift); returns the sum of the new x. */
+static inline float baton_exp_shifted_sum(float *x, int64_t n, float shift) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#ifdef BATON_AVX2
+    const __m256 s = _mm256_set1_ps(shift);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = baton_exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = baton_hsum256(acc);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - shift);
+        sum += x[i];
+    }
+    return sum;
 }
 
 /* One token's q/k/v row [(H + 2 * KVH) * D]: optional per-head RMSNorm of q

@@ -26,13 +26,7 @@ static inline void softmax_rows(float *scores, int64_t n, int64_t h0, int64_t h1
         float *sh = scores + h * n;
         float mx = sh[0];
         for (int64_t p = 1; p < n; p++) mx = sh[p] > mx ? sh[p] : mx;
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t p = 0; p < n; p++) {
-            const float e = expf(sh[p] - mx);
-            sh[p] = e;
-            sum += e;
-        }
+        const float sum = baton_exp_shifted_sum(sh, n, mx);
         const float inv = 1.0f / sum;
         #pragma omp simd
         for (int64_t p = 0; p < n; p++) sh[p] *= inv;
