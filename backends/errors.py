@@ -41,11 +41,3 @@ class UnsupportedArchitectureError(ModelLoadError):
         )
         self.architecture = architecture
         self.supported = supported
-
-
-class EngineDeadError(BatonError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class EngineFaultError(BatonError):
-    """An engine step failed; the requests in that step are failed with it."""

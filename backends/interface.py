@@ -198,6 +198,10 @@ class StepResult:
     # Logprobs of prompt tokens 1.. (each given the tokens before it), for
     # requests that asked; a long prompt's entries arrive chunk by chunk.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests whose row could not be sampled this step (e.g. non-finite
+    # logits), with why; they have no entry in ``token_ids``, and the engine
+    # fails them alone.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class Backend(Protocol):
@@ -212,4 +216,9 @@ class Backend(Protocol):
 
     def shutdown(self) -> None:
         """Release device memory."""
+        ...
+
+    def request_state_ids(self) -> set[str]:
+        """Ids of the requests the backend holds per-request state for (for
+        integrity checks and leak gauges)."""
         ...

@@ -206,6 +206,9 @@ class TorchBackend:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def request_state_ids(self) -> set[str]:
+        return set(self._states)
+
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> StepResult:

@@ -52,9 +52,9 @@ def bench_baton(model, dtype: str, batch: int, prompt_len: int, output_len: int,
     produced = 0
     t0 = time.perf_counter()
     while core.has_unfinished():
-        outs = core.step()
-        produced += sum(len(o.new_token_ids) for o in outs)
-        t = core.last_stats.timings
+        outcome = core.step()
+        produced += sum(len(o.new_token_ids) for o in outcome.outputs)
+        t = outcome.stats.timings
         total.schedule += t.schedule
         total.prepare += t.prepare
         total.forward += t.forward

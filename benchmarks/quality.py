@@ -207,10 +207,10 @@ def decode_tokens_per_s(backend: TorchBackend, sources: Sources, batch: int,
                          .tolist(), params)
     started: set[str] = set()
     while len(started) < batch:  # prefill (and the first token of each request)
-        started.update(out.request_id for out in core.step())
+        started.update(out.request_id for out in core.step().outputs)
     produced, t0 = 0, time.perf_counter()
     while core.has_unfinished():
-        produced += sum(len(out.new_token_ids) for out in core.step())
+        produced += sum(len(out.new_token_ids) for out in core.step().outputs)
     elapsed = time.perf_counter() - t0
     core.check_integrity()
     return produced / elapsed

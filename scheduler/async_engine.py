@@ -1,12 +1,15 @@
-"""AsyncEngine: the only async part of the engine.
+"""AsyncEngine: the only async part of the engine, and the gateway's one door.
 
-One background task runs the step loop. Scheduling and postprocessing happen
-on the event loop thread (they are cheap and own all mutable state); the
-forward pass runs on a single worker thread, so the loop keeps serving
-sockets and timers while the model computes. Each request gets an
-``asyncio.Queue`` of RequestOutput deltas; a consumer that goes away
-(disconnect, cancellation) aborts its request, which frees its blocks before
-the next step is scheduled.
+One background task runs the step loop: each ``EngineCore.step()`` (schedule,
+forward, postprocess) runs on a single worker thread, so the event loop keeps
+serving sockets and timers while the model computes and while stop strings
+are matched. Each request gets an ``asyncio.Queue`` of RequestOutput deltas; a
+consumer that goes away (disconnect, cancellation) aborts its request, which
+frees its blocks at once (the EngineCore is thread-safe).
+
+The gateway uses only this façade: ``model`` (what is served), ``tokenizer``,
+``load()`` (queue load for admission), ``health()``, ``add_request`` /
+``stream_group`` / ``abort``. ``core`` is there for tests and tools.
 """
 
 from __future__ import annotations
@@ -17,29 +20,53 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from backends.errors import EngineDeadError
 from backends.interface import SamplingParams
+from backends.tokenizer import Tokenizer
+from scheduler.config import FaultPolicy
 from scheduler.engine import EngineCore
-from scheduler.outputs import RequestOutput, SchedulerStats
+from scheduler.errors import EngineDeadError
+from scheduler.outputs import EngineLoad, ModelInfo, RequestOutput, SchedulerStats
 from scheduler.request import FinishReason
 
 log = logging.getLogger("baton.engine")
 
 StepObserver = Callable[[SchedulerStats], None]
+# (number of requests an engine fault failed, why)
+FaultObserver = Callable[[int, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    ok: bool
+    reason: str  # "ok", or what is wrong, for /health and the logs
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
+    def __init__(self, core: EngineCore, policy: FaultPolicy | None = None) -> None:
+        self._core = core
+        self.policy = policy or FaultPolicy()
+        self.model: ModelInfo = core.info
+        self.tokenizer: Tokenizer = core.tokenizer
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._work = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-forward")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-step")
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
         self.step_observers: list[StepObserver] = []
+        self.fault_observers: list[FaultObserver] = []
         self.last_progress = time.monotonic()
         self.num_steps = 0
+        self.num_faulted_requests = 0
+        self.consecutive_failed_steps = 0
+        self.last_fault: str | None = None
+
+    @property
+    def core(self) -> EngineCore:
+        """The synchronous engine underneath (tests and tools; the gateway
+        never reaches through it)."""
+        return self._core
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -54,24 +81,55 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for request_id in list(self._queues):
-            self._deliver(self.core.abort(request_id))
-        self._executor.shutdown(wait=True)
+        # A step still on the worker thread finishes before anything is torn down.
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        for output in self._core.abort_all(FinishReason.ABORT):
+            self._deliver(output)
+        self._core.release_finished()
 
     @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    # ---------------------------------------------------------------- state
+    def load(self) -> EngineLoad:
+        return self._core.load()
+
     @property
     def num_running(self) -> int:
-        return self.core.scheduler.num_running
+        return self._core.load().num_running
 
     @property
     def num_waiting(self) -> int:
-        return self.core.scheduler.num_waiting
+        return self._core.load().num_waiting
+
+    def health(self) -> EngineHealth:
+        """Unhealthy when the loop has stopped, when the last
+        ``policy.unhealthy_after_failed_steps`` steps all failed, or when a
+        busy engine has finished no step for ``policy.stall_timeout``."""
+        if not self.is_running:
+            return EngineHealth(False, "the engine loop has stopped")
+        failed = self.consecutive_failed_steps
+        if failed >= self.policy.unhealthy_after_failed_steps:
+            return EngineHealth(False, f"the last {failed} engine steps failed for every "
+                                       f"request in them; last fault: {self.last_fault}")
+        idle_for = time.monotonic() - self.last_progress
+        if idle_for > self.policy.stall_timeout and self._core.has_unfinished():
+            return EngineHealth(False, f"no engine step has finished for {idle_for:.0f} s "
+                                       f"while requests wait")
+        return EngineHealth(True, "ok")
+
+    def state_sizes(self) -> dict[str, int]:
+        """Entries in every per-request table, this façade's included."""
+        return {**self._core.state_sizes(), "async_queues": len(self._queues)}
+
+    async def check_integrity(self) -> None:
+        """``EngineCore.check_integrity`` on the step thread, between steps."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._core.check_integrity)
 
     # ------------------------------------------------------------- requests
-    def add_request(self, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     queue: asyncio.Queue[RequestOutput] | None = None,
                     priority: int = 0) -> str:
@@ -81,11 +139,14 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         request_id = request_id or f"req-{next(self._ids)}"
-        token_ids = self.core.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        self.core.add_request(request_id, token_ids, params, priority)
+        self._core.add_request(request_id, prompt_token_ids, params, priority)
         self._queues[request_id] = queue if queue is not None else asyncio.Queue()
         self._work.set()
         return request_id
+
+    async def encode(self, text: str) -> list[int]:
+        """Tokenize off the event loop thread."""
+        return await asyncio.to_thread(self.tokenizer.encode, text)
 
     async def stream_group(self, request_ids: list[str]) -> AsyncIterator[RequestOutput]:
         """Interleaved deltas of requests that share one queue, until all have
@@ -109,26 +170,19 @@ class AsyncEngine:
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Deltas of one request until its final output. Leaving early (break,
         cancellation, disconnect) aborts the request."""
-        queue = self._queues[request_id]
-        finished = False
-        try:
-            while not finished:
-                output = await queue.get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.abort(request_id)
-            self._queues.pop(request_id, None)
+        async for output in self.stream_group([request_id]):
+            yield output
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        request_id = self.add_request(prompt, params, request_id)
+        token_ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
+        request_id = self.add_request(token_ids, params, request_id)
         async for output in self.stream(request_id):
             yield output
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
-        self._deliver(self.core.abort(request_id, reason))
+        self._deliver(self._core.abort(request_id, reason))
+        self._work.set()  # the backend's state for it is released by the next step
 
     def _deliver(self, output: RequestOutput | None) -> None:
         if output is None:
@@ -140,34 +194,34 @@ class AsyncEngine:
     # ------------------------------------------------------------ step loop
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        core = self.core
+        core = self._core
         while True:
-            if not core.has_unfinished():
+            if not core.has_work():
                 self._work.clear()
                 await self._work.wait()
-            self.last_progress = time.monotonic()
+                self.last_progress = time.monotonic()
             step_start = time.time_ns()
-            output = core.schedule()
-            if output.is_empty:
-                # Nothing fits this step (should not happen with a sane pool);
-                # yield so aborts and new requests can change that.
-                await asyncio.sleep(0.001)
-                continue
             try:
-                result = await loop.run_in_executor(self._executor, core.backend.execute, output)
+                outcome = await loop.run_in_executor(self._executor, core.step)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # an engine fault fails this step's requests only
-                log.exception("engine step failed")
-                for failed in core.fail_step(output, f"engine fault: {type(exc).__name__}: {exc}"):
-                    self._deliver(failed)
+            except Exception as exc:  # noqa: BLE001 - outside the backend: see below
+                self._engine_fault(exc)
+                await asyncio.sleep(0.01)
                 continue
-            for request_output in core.postprocess(output, result):
-                self._deliver(request_output)
-            self.num_steps += 1
+            for output in outcome.outputs:
+                self._deliver(output)
             self.last_progress = time.monotonic()
-            stats = core.last_stats
+            stats = outcome.stats
             if stats is not None:
+                self.num_steps += 1
+                if outcome.failed:
+                    self.consecutive_failed_steps += 1
+                    self.last_fault = outcome.fault
+                else:
+                    self.consecutive_failed_steps = 0
+                if stats.num_faulted:
+                    self._notify_fault(stats.num_faulted, outcome.fault or "engine fault")
                 stats.start_ns, stats.end_ns = step_start, time.time_ns()
                 for observer in self.step_observers:
                     try:
@@ -176,3 +230,24 @@ class AsyncEngine:
                         log.exception("step observer failed")
             # Let handlers run (new requests, aborts) between steps.
             await asyncio.sleep(0)
+
+    def _engine_fault(self, exc: Exception) -> None:
+        """A fault outside the backend (scheduling, postprocessing): the
+        engine's view of the requests in flight cannot be trusted, so every
+        one of them fails; the loop goes on with new requests."""
+        log.exception("engine step failed outside the backend")
+        reason = f"engine fault: {type(exc).__name__}: {exc}"
+        self.consecutive_failed_steps += 1
+        self.last_fault = reason
+        failed = self._core.abort_all(FinishReason.ERROR, reason)
+        for output in failed:
+            self._deliver(output)
+        self._notify_fault(len(failed), reason)
+
+    def _notify_fault(self, count: int, reason: str) -> None:
+        self.num_faulted_requests += count
+        for observer in self.fault_observers:
+            try:
+                observer(count, reason)
+            except Exception:  # noqa: BLE001
+                log.exception("fault observer failed")

@@ -53,3 +53,25 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
         return max(1, self.max_num_batched_tokens // 4)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPolicy:
+    """How the AsyncEngine judges its own health.
+
+    ``unhealthy_after_failed_steps``: this many steps in a row in which every
+    scheduled request failed (a broken engine, not one bad request) make
+    ``health()`` report unhealthy until a step succeeds again.
+    ``stall_timeout``: seconds a busy engine may go without finishing a step
+    before ``health()`` reports it stalled.
+    """
+
+    unhealthy_after_failed_steps: int = 3
+    stall_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.unhealthy_after_failed_steps < 1:
+            raise ValueError("unhealthy_after_failed_steps must be >= 1, got "
+                             f"{self.unhealthy_after_failed_steps}")
+        if self.stall_timeout <= 0:
+            raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")

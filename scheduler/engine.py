@@ -1,25 +1,44 @@
 """The synchronous engine: schedule, execute, postprocess.
 
-``EngineCore.step()`` is the whole engine in three lines; the AsyncEngine runs
-the same three parts with ``execute`` off the event loop thread. Requests are
-validated in ``add_request`` before any compute; text-level stop conditions
-(stop strings) are applied here, token-level ones in the Scheduler.
+``EngineCore.step()`` is the one step sequence; the AsyncEngine runs it on a
+worker thread. Requests are validated in ``add_request`` before any compute.
+Every stop condition (EOS, stop token ids, stop strings, length) is decided
+in one pass over the step's tokens.
+
+Thread safety: every public method may be called from any thread. One lock
+guards the scheduler, the detokenizers and the per-request tables; ``step``
+holds it while scheduling and while postprocessing, never during the
+backend's forward pass, so an ``add_request`` or ``abort`` waits at most for
+one postprocess.
+
+Faults: when the backend raises, the step's requests are run again in halves
+until the requests whose rows raise on their own are found; only those fail
+(``EngineFaultError`` text in their final output), the others get their
+tokens as if nothing had happened. A backend may also fail single rows
+(``StepResult.failed``, e.g. non-finite logits), and a request whose
+detokenization raises fails alone.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 from backends.config import GenerationDefaults
 from backends.errors import ContextLengthExceededError, InvalidRequestError
-from backends.interface import Backend, SamplingParams, SchedulerOutput, StepResult
+from backends.interface import (Backend, SamplingParams, SchedulerOutput, StepResult,
+                                StepTimings)
 from backends.tokenizer import Tokenizer
 from cache.kv_cache_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.outputs import RequestOutput, SchedulerStats
+from scheduler.outputs import (EngineLoad, ModelInfo, RequestOutput, SchedulerStats,
+                               StepOutcome)
 from scheduler.request import FinishReason, Request
 from scheduler.scheduler import Scheduler
+
+log = logging.getLogger("baton.engine")
 
 
 class EngineCore:
@@ -37,40 +56,48 @@ class EngineCore:
         self.kv_cache = KVCacheManager(backend.num_kv_blocks, backend.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
+        self._lock = threading.RLock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, list] = {}
-        self.last_stats: SchedulerStats | None = None
-        self._schedule_time = 0.0
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.model_name, self.max_model_len, self.vocab_size,
+                         self.kv_cache.capacity_tokens, self.generation)
+
     # ---------------------------------------------------------------- intake
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> Request:
+                    params: SamplingParams, priority: int = 0) -> None:
         """Validate and queue. Raises InvalidRequestError (or its subclass
         ContextLengthExceededError) before anything is computed."""
-        if request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if priority != 0 and self.config.policy != "priority":
             raise InvalidRequestError(
                 f"priority {priority} was given, but this server schedules first come, "
                 f"first served; start it with --scheduling-policy priority to honour "
                 f"priorities", "priority")
-        self._validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)
         n = len(prompt_token_ids)
         max_tokens = params.max_tokens or (self.max_model_len - n)
         request = Request(request_id, list(prompt_token_ids), params,
                           max_tokens=min(max_tokens, self.max_model_len - n),
                           eos_token_ids=self.eos_token_ids, priority=priority)
-        self._detokenizers[request_id] = IncrementalDetokenizer(
+        detokenizer = IncrementalDetokenizer(
             self.tokenizer.backend, stop=params.stop,
             skip_special_tokens=params.skip_special_tokens)
-        self.scheduler.add_request(request)
-        return request
+        with self._lock:
+            if request_id in self.scheduler.requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use",
+                                          "request_id")
+            self._detokenizers[request_id] = detokenizer
+            self.scheduler.add_request(request)
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Everything about one request that can be checked before it runs.
+        Pure: reads only the engine's fixed limits."""
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
@@ -98,57 +125,145 @@ class EngineCore:
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> RequestOutput | None:
         """End a request now and free its blocks; None if it already ended."""
-        request = self.scheduler.finish_request(request_id, reason)
-        if request is None:
-            return None
-        return self._final_output(request, [], "", error)
+        with self._lock:
+            request = self.scheduler.finish_request(request_id, reason)
+            if request is None:
+                return None
+            return self._final_output(request, [], "", error)
+
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT,
+                  error: str | None = None) -> list[RequestOutput]:
+        """End every live request (shutdown, or a fault the engine cannot
+        pin on fewer requests)."""
+        with self._lock:
+            ids = list(self.scheduler.requests)
+            outputs = [self.abort(request_id, reason, error) for request_id in ids]
+        return [out for out in outputs if out is not None]
+
+    def release_finished(self) -> None:
+        """Hand the backend the ids of requests that ended since the last step
+        (a step does this too; this is for an engine about to stop)."""
+        with self._lock:
+            output = self.scheduler.schedule() if not self.scheduler.has_unfinished() \
+                else None
+        if output is not None and output.finished_request_ids:
+            self._release(output)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        with self._lock:
+            return self.scheduler.has_unfinished()
+
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones whose backend state is still held."""
+        with self._lock:
+            return self.scheduler.has_unfinished() or self.scheduler.num_finished_pending > 0
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            s, kv = self.scheduler, self.kv_cache
+            return EngineLoad(s.num_running, s.num_waiting, s.num_waiting_tokens,
+                              kv.num_free_blocks, kv.num_blocks)
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
-        output = self.schedule()
+    def step(self) -> StepOutcome:
+        """Schedule, execute, postprocess. Statistics come back with the
+        outputs (``stats`` is None when nothing ran)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            output = self.scheduler.schedule()
+        schedule_time = time.perf_counter() - t0
         if output.is_empty:
-            return []
-        return self.postprocess(output, self.backend.execute(output))
+            if output.finished_request_ids:
+                self._release(output)
+            return StepOutcome([])
+        result, faults = self._execute(output)
+        with self._lock:
+            return self._postprocess(output, result, faults, schedule_time)
 
-    def schedule(self) -> SchedulerOutput:
-        t0 = time.perf_counter()
-        output = self.scheduler.schedule()
-        self._schedule_time = time.perf_counter() - t0
-        return output
+    def _release(self, output: SchedulerOutput) -> None:
+        """Tell the backend which requests ended, with nothing to run."""
+        try:
+            self.backend.execute(output)
+        except Exception:  # noqa: BLE001 - the ids ride again with no one's step
+            log.exception("releasing finished requests in the backend failed")
 
-    def postprocess(self, output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    def _execute(self, output: SchedulerOutput) -> tuple[StepResult, dict[str, str]]:
+        """Run the step; when the backend raises, find the requests that
+        raise on their own by running the step again in halves. Returns the
+        merged result and, per failed request, why."""
+        try:
+            result = self.backend.execute(output)
+        except Exception as exc:  # noqa: BLE001 - contained below
+            requests = output.requests
+            if len(requests) == 1:
+                log.error("engine step failed for request %s: %s: %s",
+                          requests[0].request_id, type(exc).__name__, exc)
+                return _empty_result(), {requests[0].request_id: _fault_text(exc)}
+            log.warning("engine step with %d requests failed (%s: %s); running it again "
+                        "in halves to find the request that causes it",
+                        len(requests), type(exc).__name__, exc)
+            mid = len(requests) // 2
+            first = SchedulerOutput(requests[:mid], output.finished_request_ids,
+                                    output.num_preempted)
+            second = SchedulerOutput(requests[mid:], [], 0)
+            result_a, faults_a = self._execute(first)
+            result_b, faults_b = self._execute(second)
+            return _merge(result_a, result_b), {**faults_a, **faults_b}
+        return result, dict(result.failed)
+
+    def _postprocess(self, output: SchedulerOutput, result: StepResult,
+                     faults: dict[str, str], schedule_time: float) -> StepOutcome:
         t0 = time.perf_counter()
-        outputs: list[RequestOutput] = []
+        live = self.scheduler.requests
         for request_id, entries in result.prompt_logprobs.items():
-            self._prompt_logprobs.setdefault(request_id, []).extend(entries)
-        for update in self.scheduler.update_from_output(output, result):
+            # A request aborted while the step ran has nobody to send them to.
+            if request_id in live and request_id not in faults:
+                self._prompt_logprobs.setdefault(request_id, []).extend(entries)
+        faults = dict(faults)
+
+        def text_hook(request: Request, token_id: int) -> tuple[str, str | None]:
+            try:
+                delta = self._detokenizers[request.request_id].push([token_id])
+            except Exception as exc:  # noqa: BLE001 - this request's fault only
+                faults[request.request_id] = _fault_text(exc, "detokenization failed")
+                return "", None
+            return delta.text, delta.stop_string
+
+        outputs: list[RequestOutput] = []
+        failed_requests: list[Request] = []
+        for update in self.scheduler.update_from_output(output, result, text_hook):
             request = update.request
-            detok = self._detokenizers[request.request_id]
-            delta = detok.push([update.token_id])
-            if delta.stop_string is not None and not request.is_finished:
-                self.scheduler.finish_request(request.request_id, FinishReason.STOP,
-                                              delta.stop_string)
+            if request.request_id in faults:
+                if request.is_finished:  # it ended on this token all the same
+                    failed_requests.append(request)
+                continue
             logprobs = [update.logprobs] if update.logprobs is not None else None
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
             if request.is_finished:
-                text = delta.text if delta.stop_string is not None else delta.text + detok.flush()
+                text = update.text + self._detokenizers[request.request_id].flush()
                 outputs.append(self._final_output(request, [update.token_id], text, None,
                                                   logprobs))
             else:
-                outputs.append(self._output(request, [update.token_id], delta.text, logprobs))
+                outputs.append(self._output(request, [update.token_id], update.text,
+                                            logprobs))
             outputs[-1].prompt_logprobs = prompt_logprobs
-        result.timings.schedule = self._schedule_time
-        result.timings.emit = time.perf_counter() - t0
-        self.last_stats = self._stats(output, result)
-        return outputs
-
-    def fail_step(self, output: SchedulerOutput, error: str) -> list[RequestOutput]:
-        """The backend raised on this step: fail exactly its requests."""
-        return [self._final_output(request, [], "", error)
-                for request in self.scheduler.fail_step(output)]
+        for request_id in faults:
+            # None when it was aborted meanwhile: it has had its final output.
+            request = self.scheduler.finish_request(request_id, FinishReason.ERROR)
+            if request is not None:
+                failed_requests.append(request)
+        for request in failed_requests:
+            request.finish_reason = FinishReason.ERROR
+            outputs.append(self._final_output(request, [], "", faults[request.request_id]))
+        num_faulted = len(failed_requests)
+        timings = result.timings
+        timings.schedule = schedule_time
+        timings.emit = time.perf_counter() - t0
+        stats = self._stats(output, timings, num_faulted)
+        scheduled = {r.request_id for r in output.requests}
+        failed = bool(scheduled) and scheduled <= faults.keys()
+        fault = next(iter(faults.values()), None) if faults else None
+        return StepOutcome(outputs, stats, failed, fault)
 
     # --------------------------------------------------------------- outputs
     def _output(self, request: Request, new_ids: list[int], text: str,
@@ -175,7 +290,8 @@ class EngineCore:
         out.error = error
         return out
 
-    def _stats(self, output: SchedulerOutput, result: StepResult) -> SchedulerStats:
+    def _stats(self, output: SchedulerOutput, timings: StepTimings,
+               num_faulted: int) -> SchedulerStats:
         decode = sum(1 for r in output.requests if not _is_prefill(r))
         kv = self.kv_cache
         prefix = kv.take_stats()
@@ -186,16 +302,66 @@ class EngineCore:
             num_preempted=output.num_preempted,
             kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
             kv_blocks_free=kv.num_free_blocks, kv_usage=kv.usage,
-            timings=result.timings,
+            timings=timings, num_faulted=num_faulted,
             request_ids=[r.request_id for r in output.requests],
             prefill_request_ids=[r.request_id for r in output.requests if _is_prefill(r)],
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
 
+    # ------------------------------------------------------------- integrity
+    def state_sizes(self) -> dict[str, int]:
+        """Entries in every per-request table the engine owns (and the
+        backend's, when it says); all zero on an idle engine."""
+        with self._lock:
+            sizes = {"scheduler": len(self.scheduler.requests),
+                     "detokenizer": len(self._detokenizers),
+                     "prompt_logprobs": len(self._prompt_logprobs),
+                     "finished_pending": self.scheduler.num_finished_pending}
+            backend_ids = _backend_request_ids(self.backend)
+            if backend_ids is not None:
+                sizes["backend"] = len(backend_ids)
+            return sizes
+
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
-        live = set(self.scheduler.requests)
-        if set(self._detokenizers) != live:
-            raise AssertionError("detokenizer table out of sync with live requests")
+        """Every per-request table agrees with the scheduler's live requests.
+        Call between steps (the AsyncEngine runs it on its step thread)."""
+        with self._lock:
+            self.scheduler.check_integrity()
+            live = set(self.scheduler.requests)
+            if set(self._detokenizers) != live:
+                raise AssertionError(
+                    f"detokenizers {sorted(set(self._detokenizers) ^ live)} out of sync "
+                    f"with the live requests")
+            stale = set(self._prompt_logprobs) - live
+            if stale:
+                raise AssertionError(f"prompt logprobs kept for ended requests {sorted(stale)}")
+            backend_ids = _backend_request_ids(self.backend)
+            if backend_ids is not None:
+                ended = backend_ids - live - set(self.scheduler.finished_pending_ids)
+                if ended:
+                    raise AssertionError(
+                        f"backend holds state for ended requests {sorted(ended)}")
+
+
+def _backend_request_ids(backend) -> set[str] | None:
+    ids = getattr(backend, "request_state_ids", None)
+    return set(ids()) if callable(ids) else None
+
+
+def _fault_text(exc: BaseException, what: str = "engine fault") -> str:
+    return f"{what}: {type(exc).__name__}: {exc}"
+
+
+def _empty_result() -> StepResult:
+    return StepResult([], [], [], StepTimings())
+
+
+def _merge(a: StepResult, b: StepResult) -> StepResult:
+    timings = StepTimings(prepare=a.timings.prepare + b.timings.prepare,
+                          forward=a.timings.forward + b.timings.forward,
+                          sample=a.timings.sample + b.timings.sample)
+    return StepResult(a.request_ids + b.request_ids, a.token_ids + b.token_ids,
+                      a.logprobs + b.logprobs, timings,
+                      {**a.prompt_logprobs, **b.prompt_logprobs}, {**a.failed, **b.failed})
 
 
 def _is_prefill(scheduled) -> bool:

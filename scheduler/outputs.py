@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backends.config import GenerationDefaults
 from backends.interface import StepTimings, TokenLogprobs
 
 
@@ -51,6 +52,9 @@ class SchedulerStats:
     kv_blocks_free: int
     kv_usage: float
     timings: StepTimings = field(default_factory=StepTimings)
+    # requests this step failed with an engine fault (their own, or one that
+    # could not be narrowed down further); see EngineCore.step
+    num_faulted: int = 0
     request_ids: list[str] = field(default_factory=list)
     prefill_request_ids: list[str] = field(default_factory=list)  # computed prompt tokens
     # tokens looked up in the prefix cache by requests admitted this step, and found
@@ -58,3 +62,38 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     start_ns: int = 0   # wall clock (epoch ns), set by the AsyncEngine
     end_ns: int = 0
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What one ``EngineCore.step()`` did: the deltas to deliver and, when a
+    step ran, its statistics. ``failed`` is true when the backend raised
+    for every request the step scheduled (a broken engine, not a bad request);
+    ``fault`` then says why."""
+
+    outputs: list[RequestOutput]
+    stats: SchedulerStats | None = None
+    failed: bool = False
+    fault: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model as the gateway sees it (immutable, safe to share)."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int
+    generation: GenerationDefaults
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """Queue load for admission control and health, read as one snapshot."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int
+    kv_blocks_free: int
+    kv_blocks_total: int

@@ -26,6 +26,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from collections.abc import Callable
+
 from backends.interface import ScheduledRequest, SchedulerOutput, StepResult, TokenLogprobs
 from cache.kv_cache_manager import NO_HIT, KVCacheManager
 from scheduler.config import SchedulerConfig
@@ -36,11 +38,18 @@ from scheduler.request_queue import RequestQueue, priority_key
 @dataclass(slots=True)
 class TokenUpdate:
     """One request's new token from a step; ``request.finish_reason`` is set
-    when the token ended it."""
+    when the token ended it. ``text`` is what the text hook released for it."""
 
     request: Request
     token_id: int
     logprobs: TokenLogprobs | None
+    text: str = ""
+
+
+# Text-level stop conditions, decided with the token-level ones in one pass:
+# given the request and its new token, the text that token released and the
+# stop string it completed (or None).
+TextHook = Callable[[Request, int], tuple[str, str | None]]
 
 
 @dataclass(slots=True)
@@ -111,6 +120,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_finished_pending(self) -> int:
+        """Finished requests whose ids the backend has not been told yet."""
+        return len(self._finished_ids)
+
+    @property
+    def finished_pending_ids(self) -> tuple[str, ...]:
+        return tuple(self._finished_ids)
+
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
@@ -135,11 +153,10 @@ class Scheduler:
         self._extend_chunks(plan)        # 4. what is left
 
         scheduled = [self._scheduled(self.requests[rid], n) for rid, n in plan.tokens.items()]
-        # Finished ids ride with the next real step (the backend drops its
-        # per-request state then); an empty output is never executed.
-        finished: list[str] = []
-        if scheduled:
-            finished, self._finished_ids = self._finished_ids, []
+        # Finished ids ride with the next step (the backend drops its
+        # per-request state then); an output with nothing but finished ids
+        # is executed too, so that state never outlives an idle engine.
+        finished, self._finished_ids = self._finished_ids, []
         self.num_preemptions_total += plan.num_preempted
         return SchedulerOutput(scheduled, finished, plan.num_preempted)
 
@@ -230,10 +247,11 @@ class Scheduler:
         self.waiting.add_preempted(request)
 
     # ------------------------------------------------------------ postprocess
-    def update_from_output(self, output: SchedulerOutput,
-                           result: StepResult) -> list[TokenUpdate]:
-        """Append sampled tokens and apply the token-level stop conditions
-        (EOS, stop token ids, max_tokens, context length)."""
+    def update_from_output(self, output: SchedulerOutput, result: StepResult,
+                           text_hook: TextHook | None = None) -> list[TokenUpdate]:
+        """Append sampled tokens and decide every stop condition in one pass:
+        EOS and stop token ids, then a stop string (from ``text_hook``), then
+        max_tokens and the context length. A request ends here at most once."""
         # The step has written these blocks: name the full ones first, so
         # that requests ending with this token leave them cached too.
         for scheduled in output.requests:
@@ -250,34 +268,28 @@ class Scheduler:
             request.output_token_ids.append(token_id)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            updates.append(TokenUpdate(request, token_id, logprobs))
-            reason, stop_reason = self._check_stop(request, token_id)
+            text, stop_string = text_hook(request, token_id) if text_hook else ("", None)
+            updates.append(TokenUpdate(request, token_id, logprobs, text))
+            reason, stop_reason = self._check_stop(request, token_id, stop_string)
             if reason is not None:
                 self.finish_request(request_id, reason, stop_reason)
         return updates
 
-    def _check_stop(self, request: Request,
-                    token_id: int) -> tuple[FinishReason | None, int | None]:
+    def _check_stop(self, request: Request, token_id: int, stop_string: str | None = None
+                    ) -> tuple[FinishReason | None, int | str | None]:
         params = request.sampling_params
         if (not params.ignore_eos and token_id in request.eos_token_ids
                 and request.num_output_tokens >= params.min_tokens):
             return FinishReason.STOP, None
         if token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
+        if stop_string is not None:
+            return FinishReason.STOP, stop_string
         if request.num_output_tokens >= request.max_tokens:
             return FinishReason.LENGTH, None
         if request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
-
-    def fail_step(self, output: SchedulerOutput) -> list[Request]:
-        """An engine fault in this step: finish exactly its requests with ERROR."""
-        failed = []
-        for scheduled in output.requests:
-            request = self.finish_request(scheduled.request_id, FinishReason.ERROR)
-            if request is not None:
-                failed.append(request)
-        return failed
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()

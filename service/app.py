@@ -132,8 +132,7 @@ async def _generate(request: web.Request, type_, prepare,
         engine = state.ready_engine()
         req = _decode(await request.read(), type_)
         _check_model(state, req.model)
-        core = engine.core
-        prepared = prepare(req, core.tokenizer, core.generation)
+        prepared = prepare(req, engine.tokenizer, engine.model.generation)
         if telemetry is not None:
             prompt_text = "\n".join(prepared.prompt_texts) if state.obs.log_prompts else None
             telemetry.validated_request(prepared.params, prepared.n, prepared.stream,
@@ -169,16 +168,16 @@ def _admit(state: ServerState, engine: AsyncEngine, prepared) -> None:
     cfg = state.config
     count = len(prepared.prompts) * prepared.n
     tokens = sum(len(p) for p in prepared.prompts) * prepared.n
-    scheduler = engine.core.scheduler
+    load = engine.load()
     if tokens > cfg.max_waiting_tokens:
         raise APIError(400, f"the request's prompts hold {tokens} tokens, more than this "
                             f"server queues at once ({cfg.max_waiting_tokens})", param="prompt")
     reason = None
-    if scheduler.num_waiting + count > cfg.max_waiting_requests:
-        reason, what = "queue_full", f"too many requests waiting ({scheduler.num_waiting})"
-    elif scheduler.num_waiting_tokens + tokens > cfg.max_waiting_tokens:
+    if load.num_waiting + count > cfg.max_waiting_requests:
+        reason, what = "queue_full", f"too many requests waiting ({load.num_waiting})"
+    elif load.num_waiting_tokens + tokens > cfg.max_waiting_tokens:
         reason, what = "queue_tokens_full", \
-            f"too many prompt tokens waiting ({scheduler.num_waiting_tokens})"
+            f"too many prompt tokens waiting ({load.num_waiting_tokens})"
     if reason is not None:
         if state.obs is not None:
             state.obs.metrics.admission_rejected(reason)
@@ -196,7 +195,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    max_len = state.engine.core.max_model_len if state.engine else None
+    max_len = state.engine.model.max_model_len if state.engine else None
     return _json(ModelList([ModelCard(state.model_name, int(state.started),
                                       max_model_len=max_len)]))
 
@@ -206,14 +205,14 @@ async def tokenize(request: web.Request) -> web.Response:
     engine = state.ready_engine()
     req = _decode(await request.read(), TokenizeRequest)
     _check_model(state, req.model)
-    tok = engine.core.tokenizer
+    tok = engine.tokenizer
     if req.messages is not None:
         ids = chat_prompt_ids(req.messages, tok, req.add_generation_prompt)
     elif req.prompt is not None:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         raise APIError(400, "give either prompt or messages", param="prompt")
-    return _json(TokenizeResponse(ids, len(ids), engine.core.max_model_len))
+    return _json(TokenizeResponse(ids, len(ids), engine.model.max_model_len))
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -221,13 +220,13 @@ async def detokenize(request: web.Request) -> web.Response:
     engine = state.ready_engine()
     req = _decode(await request.read(), DetokenizeRequest)
     _check_model(state, req.model)
-    vocab = engine.core.vocab_size
+    vocab = engine.model.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
                        param="tokens")
     # Special tokens stay, so /tokenize -> /detokenize gives back the chat prompt.
-    text = engine.core.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
     return _json(DetokenizeResponse(text))
 
 
@@ -261,13 +260,10 @@ async def dashboard_stats(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.engine
-    if state.phase != "ready" or engine is None or not engine.is_running:
+    if state.phase != "ready" or engine is None:
         return web.Response(status=503, text=state.phase)
-    busy = engine.core.has_unfinished()
-    stalled = busy and time.monotonic() - engine.last_progress > state.config.stall_timeout
-    if stalled:
-        return web.Response(status=503, text="stalled")
-    return web.Response(status=200, text="ok")
+    health = engine.health()
+    return web.Response(status=200 if health.ok else 503, text=health.reason)
 
 
 def baton_version() -> str:

@@ -98,7 +98,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     core.add_request(uuid.uuid4().hex, prompt_ids, params)
     reason = None
     while core.has_unfinished():
-        for out in core.step():
+        for out in core.step().outputs:
             sys.stdout.write(out.text)
             sys.stdout.flush()
             if out.finished:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from scheduler.config import FaultPolicy
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
           "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
@@ -54,6 +56,11 @@ class ServerConfig:
     drain_timeout: float = 30.0
     max_body_bytes: int = 8 * 1024 * 1024
     stall_timeout: float = 60.0             # /health fails when a busy loop makes no step this long
+    unhealthy_after_failed_steps: int = 3   # /health fails after this many wholly failed steps
     otlp_traces_endpoint: str | None = None  # besides OTEL_EXPORTER_OTLP_* in the environment
     trace_detail: str = "request"            # none | request | step
     log_prompts: bool = False
+
+    def fault_policy(self) -> FaultPolicy:
+        return FaultPolicy(unhealthy_after_failed_steps=self.unhealthy_after_failed_steps,
+                           stall_timeout=self.stall_timeout)

@@ -132,7 +132,7 @@ def make_usage(prompt_tokens: list[int], cached_tokens: list[int],
 # ------------------------------------------------------------------ logprobs
 
 def _token_text(engine: AsyncEngine, token_id: int) -> str:
-    return engine.core.tokenizer.token_bytes_text(token_id)
+    return engine.tokenizer.token_bytes_text(token_id)
 
 
 def completion_logprobs(engine: AsyncEngine, entries: list[TokenLogprobs],

@@ -43,6 +43,18 @@ class Observability:
     def begin(self, operation: str, headers) -> RequestTelemetry:
         return RequestTelemetry(self, operation, headers)
 
+    def attach(self, engine) -> None:
+        """Observe ``engine`` (an AsyncEngine): its steps, its faults, and the
+        sizes of every per-request table (``baton_request_state_entries``)."""
+        engine.step_observers.append(self.on_step)
+        engine.fault_observers.append(self.on_fault)
+        self.metrics.watch_request_state(
+            lambda: {**engine.state_sizes(), "telemetry": len(self.active)})
+
+    def on_fault(self, count: int, reason: str) -> None:
+        """An engine fault failed ``count`` requests (the engine logged why)."""
+        self.metrics.engine_faults(count)
+
     def on_step(self, stats: SchedulerStats) -> None:
         t = stats.timings
         step = StepRecord(

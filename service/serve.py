@@ -61,14 +61,14 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
         await runner.cleanup()
         obs.tracing.shutdown()
         return 1
-    engine = AsyncEngine(core)
-    engine.step_observers.append(obs.on_step)
+    engine = AsyncEngine(core, config.fault_policy())
+    obs.attach(engine)
     engine.start()
     state.engine = engine
     state.phase = "ready"
     log_lifecycle("ready", model=state.model_name, url=f"http://{config.host}:{config.port}",
-                  max_model_len=core.max_model_len,
-                  kv_capacity_tokens=core.kv_cache.capacity_tokens)
+                  max_model_len=engine.model.max_model_len,
+                  kv_capacity_tokens=engine.model.kv_capacity_tokens)
 
     await stop.wait()
     state.phase = "draining"

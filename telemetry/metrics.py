@@ -23,7 +23,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from telemetry.records import RequestRecord, StepRecord
@@ -151,6 +151,12 @@ class Metrics:
             "baton_prefix_cache_hits",
             "Tokens of admitted requests found in the prefix cache (not computed).",
             ("model_name",), registry=r).labels(m).inc
+        self._inc_engine_faults = Counter(
+            "baton_engine_faults", "Requests an engine fault failed (the request's own "
+            "fault, or one that could not be pinned on fewer requests).",
+            ("model_name",), registry=r).labels(m).inc
+        self._state_sizes: Callable[[], dict[str, int]] | None = None
+        r.register(_RequestStateEntries(m, lambda: self._state_sizes))
         self._observe_step_duration = histogram(
             "baton_engine_step_duration_seconds",
             "Wall time of one engine step (all components).", STEP_DURATION_BUCKETS)
@@ -219,6 +225,15 @@ class Metrics:
         c.sample += step.sample
         c.emit += step.emit
 
+    def engine_faults(self, count: int) -> None:
+        """Count requests failed by an engine fault."""
+        self._inc_engine_faults(count)
+
+    def watch_request_state(self, sizes: Callable[[], dict[str, int]] | None) -> None:
+        """Report ``sizes()`` (per-request table -> entries) as
+        ``baton_request_state_entries`` when scraped: leak detection."""
+        self._state_sizes = sizes
+
     def admission_rejected(self, reason: str) -> None:
         """Count a request refused before it reached the engine (queue full,
         prompt too long, draining ...). ``reason`` must be low-cardinality."""
@@ -251,4 +266,24 @@ class _StepComponentSeconds:
             labels=("model_name", "component"))
         for component in STEP_COMPONENTS:
             family.add_metric((self.model_name, component), getattr(self, component))
+        yield family
+
+
+class _RequestStateEntries:
+    """``baton_request_state_entries{table}``: entries in each per-request
+    table (scheduler, detokenizers, backend, queues, telemetry ...), read at
+    scrape time. All of them go back to zero when the server is idle."""
+
+    def __init__(self, model_name: str, source: Callable[[], Callable | None]) -> None:
+        self._model_name = model_name
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "baton_request_state_entries",
+            "Entries in each per-request table; zero on an idle server.",
+            labels=("model_name", "table"))
+        sizes = self._source()
+        for table, size in sorted((sizes() if sizes is not None else {}).items()):
+            family.add_metric([self._model_name, table], size)
         yield family

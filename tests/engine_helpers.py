@@ -40,7 +40,7 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]] | None = None,
     for _ in range(max_steps):
         if not core.has_unfinished():
             break
-        for out in core.step():
+        for out in core.step().outputs:
             res = results.setdefault(out.request_id, Finished())
             res.token_ids.extend(out.new_token_ids)
             res.text += out.text
@@ -58,9 +58,14 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]] | None = None,
 
 
 def assert_all_free(core: EngineCore) -> None:
-    """Every block back: free, or evictable in the prefix cache, none referenced."""
+    """Every block back (free, or evictable in the prefix cache, none
+    referenced) and every per-request table empty (the backend's included,
+    once it has been told which requests ended)."""
     core.check_integrity()
     kv = core.kv_cache
     assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
     assert all(kv.pool.ref_count(b) == 0 for b in range(kv.num_blocks))
     assert not core.scheduler.running and not core.scheduler.waiting
+    core.release_finished()
+    sizes = core.state_sizes()
+    assert not any(sizes.values()), f"per-request state left behind: {sizes}"

@@ -68,15 +68,29 @@ class Server:
 
     def is_idle(self) -> bool:
         """No request running or waiting, and every KV block free."""
-        core = self.core
-        kv = core.kv_cache
-        return (core.scheduler.num_running == 0 and core.scheduler.num_waiting == 0
-                and kv.num_free_blocks == kv.num_blocks)
+        load = self.engine.load()
+        return (load.num_running == 0 and load.num_waiting == 0
+                and load.kv_blocks_free == load.kv_blocks_total)
+
+    def state_sizes(self) -> dict[str, int]:
+        """Entries in every per-request table: engine, backend, detokenizers,
+        the AsyncEngine's queues, telemetry, and the gateway's in-flight count."""
+        obs = self.state.obs
+        return {**self.engine.state_sizes(),
+                "telemetry": len(obs.active) if obs is not None else 0,
+                "in_flight": self.state.in_flight}
 
     def wait_idle(self, timeout: float = 10.0) -> None:
-        """Wait until idle, then check every structure's integrity."""
+        """Wait until idle, check every structure's integrity, and wait for
+        every per-request table to empty (the backend learns which requests
+        ended with the loop's next turn)."""
         self.wait_until(self.is_idle, timeout, "every request to end and free its blocks")
-        self.call(self.core.check_integrity)
+        self.call(self.engine.check_integrity)
+        try:
+            self.wait_until(lambda: not any(self.state_sizes().values()), timeout,
+                            "every per-request table to empty")
+        except AssertionError:
+            raise AssertionError(f"per-request state left behind: {self.call(self.state_sizes)}")
 
 
 @contextlib.contextmanager
@@ -96,8 +110,8 @@ def running_server(engine: EngineCore | EngineArgs, config: ServerConfig | None 
     ready = threading.Event()
 
     async def start() -> web.AppRunner:
-        engine_ = AsyncEngine(core)
-        engine_.step_observers.append(obs.on_step)
+        engine_ = AsyncEngine(core, config.fault_policy())
+        obs.attach(engine_)
         engine_.start()
         state.engine = engine_
         state.phase = "ready"

@@ -107,7 +107,7 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir, scenario):
     for rid, ids in prompts.items():
         core.add_request(rid, ids, params)
     while core.has_unfinished():
-        for out in core.step():
+        for out in core.step().outputs:
             if out.prompt_logprobs is not None:
                 assert out.request_id not in got, "prompt logprobs sent twice"
                 got[out.request_id] = out.prompt_logprobs

@@ -37,8 +37,9 @@ async def _until(predicate, timeout: float, what: str) -> None:
 async def _until_idle(server: Server, timeout: float = 10.0) -> None:
     await _until(lambda: server.call(server.is_idle), timeout,
                  "every request to end and free its blocks")
-    server.call(server.core.check_integrity)
-    assert server.state.in_flight == 0
+    server.call(server.engine.check_integrity)
+    await _until(lambda: not any(server.call(server.state_sizes).values()), timeout,
+                 "every per-request table to empty")
 
 
 def _events(raw: bytes) -> list[str]:

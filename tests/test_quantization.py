@@ -304,7 +304,7 @@ def _top1_along(core, ids: list[int]) -> list[int]:
     core.add_request("tf", ids, SamplingParams(max_tokens=1, prompt_logprobs=1))
     entries = []
     while core.has_unfinished():
-        for out in core.step():
+        for out in core.step().outputs:
             entries.extend(out.prompt_logprobs or [])
     assert_all_free(core)
     assert len(entries) == len(ids) - 1
