@@ -236,16 +236,27 @@ class TorchBackend:
         t2 = time.perf_counter()
         timings.forward = t2 - t1
 
+        # A row with a NaN or an infinity cannot be sampled; its request fails
+        # alone (amax propagates NaN). -1 marks it in the one host transfer.
+        finite = torch.isfinite(logits.amax(dim=-1))
         out = sample(logits, batch)
-        token_ids = out.token_ids.tolist()
+        token_ids = out.token_ids.where(finite, -1).tolist()
         logprobs = self._logprobs_lists(out, token_ids, sample_rows)
-        for scheduled, token_id in zip(sample_rows, token_ids):
+        failed: dict[str, str] = {}
+        kept_rows, kept_ids, kept_logprobs = [], [], []
+        for scheduled, token_id, entry in zip(sample_rows, token_ids, logprobs):
+            if token_id < 0:
+                failed[scheduled.request_id] = (
+                    "the model produced non-finite logits (NaN or infinity) for this request")
+                continue
+            kept_rows.append(scheduled.request_id)
+            kept_ids.append(token_id)
+            kept_logprobs.append(entry)
             state = self._states[scheduled.request_id]
             if state.params.uses_penalties:
                 state.output_token_ids.append(token_id)
         timings.sample = time.perf_counter() - t2
-        return StepResult([r.request_id for r in sample_rows], token_ids, logprobs, timings,
-                          prompt_logprobs)
+        return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed)
 
     def _prompt_logprobs(self, rows: list[ScheduledRequest],
                          hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:

@@ -47,6 +47,7 @@ class AsyncEngine:
     def __init__(self, core: EngineCore, policy: FaultPolicy | None = None) -> None:
         self._core = core
         self.policy = policy or FaultPolicy()
+        core.step_timeout = self.policy.step_timeout
         self.model: ModelInfo = core.info
         self.tokenizer: Tokenizer = core.tokenizer
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -86,6 +87,7 @@ class AsyncEngine:
         for output in self._core.abort_all(FinishReason.ABORT):
             self._deliver(output)
         self._core.release_finished()
+        self._core.close()
 
     @property
     def is_running(self) -> bool:
@@ -109,6 +111,8 @@ class AsyncEngine:
         busy engine has finished no step for ``policy.stall_timeout``."""
         if not self.is_running:
             return EngineHealth(False, "the engine loop has stopped")
+        if self._core.tainted:
+            return EngineHealth(False, self._core.tainted)
         failed = self.consecutive_failed_steps
         if failed >= self.policy.unhealthy_after_failed_steps:
             return EngineHealth(False, f"the last {failed} engine steps failed for every "

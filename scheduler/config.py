@@ -64,14 +64,20 @@ class FaultPolicy:
     ``health()`` report unhealthy until a step succeeds again.
     ``stall_timeout``: seconds a busy engine may go without finishing a step
     before ``health()`` reports it stalled.
+    ``step_timeout``: seconds one backend step may take before it is
+    abandoned as hung and its requests are run again without the one that
+    hangs (None: never; a legitimately slow step must never reach it).
     """
 
     unhealthy_after_failed_steps: int = 3
     stall_timeout: float = 60.0
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.unhealthy_after_failed_steps < 1:
             raise ValueError("unhealthy_after_failed_steps must be >= 1, got "
                              f"{self.unhealthy_after_failed_steps}")
+        if self.step_timeout is not None and self.step_timeout <= 0:
+            raise ValueError(f"step_timeout must be > 0, got {self.step_timeout}")
         if self.stall_timeout <= 0:
             raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")

@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from backends.config import GenerationDefaults
 from backends.errors import ContextLengthExceededError, InvalidRequestError
@@ -33,6 +35,7 @@ from backends.tokenizer import Tokenizer
 from cache.kv_cache_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.errors import StepTimeoutError
 from scheduler.outputs import (EngineLoad, ModelInfo, RequestOutput, SchedulerStats,
                                StepOutcome)
 from scheduler.request import FinishReason, Request
@@ -59,6 +62,14 @@ class EngineCore:
         self._lock = threading.RLock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, list] = {}
+        # Seconds a backend step may take before it is abandoned as hung
+        # (None: wait for ever). Set by the AsyncEngine from its FaultPolicy.
+        self.step_timeout: float | None = None
+        self._forward: ThreadPoolExecutor | None = None
+        self.num_abandoned_steps = 0
+        # Set when an abandoned step came back: it may have written KV blocks
+        # that other requests own by now, so the engine is no longer trusted.
+        self.tainted: str | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -109,11 +120,13 @@ class EngineCore:
         n = len(prompt)
         asked = n + (params.max_tokens or 1)
         if n >= limit or asked > limit:
+            # Name what overflows: the prompt alone, or the completion asked for.
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {asked} tokens ({n} in the prompt, "
                 f"{params.max_tokens or 1} for the completion). Please reduce the length "
-                f"of the prompt or of max_tokens.")
+                f"of the prompt or of max_tokens.",
+                "prompt" if n >= limit else "max_tokens")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("stop_token_ids", params.stop_token_ids)):
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -188,11 +201,12 @@ class EngineCore:
             log.exception("releasing finished requests in the backend failed")
 
     def _execute(self, output: SchedulerOutput) -> tuple[StepResult, dict[str, str]]:
-        """Run the step; when the backend raises, find the requests that
-        raise on their own by running the step again in halves. Returns the
-        merged result and, per failed request, why."""
+        """Run the step; when the backend raises (or hangs past
+        ``step_timeout``), find the requests that fail on their own by
+        running the step again in halves. Returns the merged result and, per
+        failed request, why."""
         try:
-            result = self.backend.execute(output)
+            result = self._run_backend(output)
         except Exception as exc:  # noqa: BLE001 - contained below
             requests = output.requests
             if len(requests) == 1:
@@ -210,6 +224,35 @@ class EngineCore:
             result_b, faults_b = self._execute(second)
             return _merge(result_a, result_b), {**faults_a, **faults_b}
         return result, dict(result.failed)
+
+    def _run_backend(self, output: SchedulerOutput) -> StepResult:
+        if self.step_timeout is None:
+            return self.backend.execute(output)
+        if self._forward is None:
+            self._forward = ThreadPoolExecutor(1, thread_name_prefix="baton-forward")
+        future = self._forward.submit(self.backend.execute, output)
+        try:
+            return future.result(timeout=self.step_timeout)
+        except FutureTimeout:
+            # A thread cannot be stopped: leave it behind, and use a new one.
+            self._forward.shutdown(wait=False)
+            self._forward = None
+            self.num_abandoned_steps += 1
+            future.add_done_callback(self._abandoned_step_returned)
+            raise StepTimeoutError(
+                f"the step did not finish within {self.step_timeout:g} s "
+                f"(--step-timeout)") from None
+
+    def close(self) -> None:
+        """Stop the forward thread (a hung one is left to itself)."""
+        if self._forward is not None:
+            self._forward.shutdown(wait=False)
+            self._forward = None
+
+    def _abandoned_step_returned(self, future: Future) -> None:
+        self.tainted = ("a step abandoned as hung came back later; the KV cache may "
+                        "hold its writes, so restart the server")
+        log.error("%s", self.tainted)
 
     def _postprocess(self, output: SchedulerOutput, result: StepResult,
                      faults: dict[str, str], schedule_time: float) -> StepOutcome:

@@ -16,3 +16,8 @@ class EngineDeadError(BatonError):
 class EngineFaultError(BatonError):
     """An engine step failed for a request (its own fault, or a fault that
     could not be traced to fewer requests); that request ends with it."""
+
+
+class StepTimeoutError(EngineFaultError):
+    """The backend did not finish a step within the step timeout; the step
+    was abandoned (its thread cannot be stopped) and retried without it."""
