@@ -23,6 +23,21 @@ from typing import Protocol
 from backends.errors import InvalidRequestError
 
 
+# Admission limits on what a request may ask for; each bounds work or memory
+# that one request could otherwise make everyone pay for (docs/security.md).
+MAX_STOP_STRINGS = 16            # OpenAI allows 4; vLLM-style clients send more
+MAX_STOP_STRING_CHARS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024    # OpenAI allows 300
+MAX_STOP_TOKEN_IDS = 1024
+# A signed 64-bit integer, as in OpenAI's API and vLLM (a wider value reached
+# torch.Generator.manual_seed and failed the whole step).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_TOP_K = 2**31 - 1
+# Below this a temperature is greedy (as in vLLM): dividing logits by it
+# would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction.
@@ -62,10 +77,10 @@ class SamplingParams:
         _check_finite(self.top_p, "top_p")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
+        if not -1 <= self.top_k <= MAX_TOP_K:
             raise InvalidRequestError(
-                f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}",
-                "top_k")
+                f"top_k must be -1 (disabled), 0 (disabled) or between 1 and {MAX_TOP_K}, "
+                f"got {self.top_k}", "top_k")
         _check_finite(self.min_p, "min_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
@@ -79,6 +94,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}",
                 "repetition_penalty")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "
+                f"{len(self.logit_bias)}", "logit_bias")
         for token_id, bias in self.logit_bias:
             _check_finite(bias, "logit_bias")
             if not -100.0 <= bias <= 100.0:
@@ -101,10 +120,26 @@ class SamplingParams:
                 "logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                "stop")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters long, "
+                f"got one of {longest}", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                f"{len(self.stop_token_ids)}", "stop_token_ids")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidRequestError(
+                f"seed must be between {SEED_MIN} and {SEED_MAX}, got {self.seed}", "seed")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

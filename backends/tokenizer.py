@@ -12,6 +12,25 @@ class Tokenizer:
         self.spec = spec
         self.backend = spec.tokenizer
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(
+            token_id for token_id, added in self.backend.get_added_tokens_decoder().items()
+            if added.special)
+        self._as_text = None  # a copy that reads special-token strings as text
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Control tokens (added tokens marked special), by their text."""
+        return {self.backend.id_to_token(i): i for i in self.special_ids}
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with every special-token string in it split
+        into ordinary tokens, never read as the control token; no BOS."""
+        if self._as_text is None:
+            import tokenizers
+            plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._as_text = plain
+        return self._as_text.encode_batch([text], add_special_tokens=False)[0].ids
 
     @property
     def chat_template(self) -> str | None:
@@ -21,7 +40,9 @@ class Tokenizer:
         """Token ids of ``text``. With ``add_special_tokens`` the model's BOS is
         put in front when the model wants one (once, even if the tokenizer's
         own post-processor already added it)."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not), so a
+        # long text tokenized on a worker thread does not stall the event loop.
+        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.spec.bos_token_id
         if (add_special_tokens and self.spec.add_bos_token and bos is not None
                 and (not ids or ids[0] != bos)):
@@ -29,7 +50,8 @@ class Tokenizer:
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        # decode_batch, like encode_batch, releases the GIL while it works.
+        return self.backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

@@ -56,7 +56,8 @@ class DetokenizerUpdate:
 
 
 class StopStringMatcher:
-    """Cuts a stream of text at the first stop string.
+    """Cuts a stream of text at the first stop string, in time linear in the
+    text and memory linear in the stop strings.
 
     Invariants: released text contains no stop string, and no stop string can
     start inside released text, because every suffix of the stream that is a
@@ -66,20 +67,23 @@ class StopStringMatcher:
     "First" means the match that completes first in the text (smallest end,
     then smallest start), which is what a character-by-character stream would
     see, so the result does not depend on how the text was chunked.
+
+    Each stop string is followed by its own Knuth-Morris-Pratt state (the
+    length of its longest prefix that ends the stream so far); the held tail
+    is the longest of those prefixes. Per character that is amortised O(1)
+    work per stop string, and nothing is materialised per prefix.
     """
 
-    __slots__ = ("_stops", "_include_stop", "_max_held", "_prefixes", "_first_chars",
-                 "_held", "matched")
+    __slots__ = ("_stops", "_fallback", "_state", "_include_stop", "_held", "matched")
 
     def __init__(self, stop: Iterable[str], *, include_stop_in_output: bool = False) -> None:
         stops = tuple(dict.fromkeys(stop))
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         self._stops = stops
+        self._fallback = [_prefix_function(s) for s in stops]
+        self._state = [0] * len(stops)
         self._include_stop = include_stop_in_output
-        self._max_held = max((len(s) for s in stops), default=1) - 1
-        self._prefixes = frozenset(s[:i] for s in stops for i in range(1, len(s)))
-        self._first_chars = frozenset(p[0] for p in self._prefixes)
         self._held = ""
         self.matched: str | None = None
 
@@ -88,39 +92,49 @@ class StopStringMatcher:
         completes; the caller must not feed after that."""
         if not self._stops or not text:
             return text
+        stops, fallback, state = self._stops, self._fallback, self._state
+        for i, ch in enumerate(text):
+            best: str | None = None
+            for k, stop in enumerate(stops):
+                q = state[k]
+                while q and stop[q] != ch:
+                    q = fallback[k][q - 1]
+                if stop[q] == ch:
+                    q += 1
+                    if q == len(stop):
+                        if best is None or q > len(best):
+                            best = stop  # the longest of those ending here starts first
+                        q = fallback[k][q - 1]
+                state[k] = q
+            if best is not None:
+                buffer = self._held + text[:i + 1]
+                self.matched = best
+                self._held = ""
+                return buffer if self._include_stop else buffer[:len(buffer) - len(best)]
         buffer = self._held + text
-        match = self._first_match(buffer)
-        if match is not None:
-            start, stop = match
-            self.matched = stop
-            self._held = ""
-            return buffer[:start + len(stop) if self._include_stop else start]
-        keep = self._longest_held_suffix(buffer)
-        self._held = buffer[len(buffer) - keep:]
+        keep = max(state)
+        self._held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep]
 
     def flush(self) -> str:
         """Release the held tail: the stream ended without completing a stop."""
         held, self._held = self._held, ""
+        self._state = [0] * len(self._stops)
         return held
 
-    def _first_match(self, buffer: str) -> tuple[int, str] | None:
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = buffer.find(stop)
-            if start >= 0:
-                candidate = (start + len(stop), start, stop)
-                if best is None or candidate[:2] < best[:2]:
-                    best = candidate
-        return None if best is None else (best[1], best[2])
 
-    def _longest_held_suffix(self, buffer: str) -> int:
-        end = len(buffer)
-        for start in range(max(0, end - self._max_held), end):
-            # the first-character test skips most slices on ordinary text
-            if buffer[start] in self._first_chars and buffer[start:] in self._prefixes:
-                return end - start
-        return 0
+def _prefix_function(s: str) -> list[int]:
+    """``pi[i]``: length of the longest proper prefix of ``s[:i + 1]`` that is
+    also its suffix (KMP's failure function)."""
+    pi = [0] * len(s)
+    q = 0
+    for i in range(1, len(s)):
+        while q and s[i] != s[q]:
+            q = pi[q - 1]
+        if s[i] == s[q]:
+            q += 1
+        pi[i] = q
+    return pi
 
 
 class IncrementalDetokenizer:

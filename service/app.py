@@ -7,9 +7,10 @@ State lives in one ServerState under an AppKey. The engine may not exist yet
 from __future__ import annotations
 
 import asyncio
-import hmac
+import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
@@ -23,6 +24,7 @@ from scheduler.async_engine import AsyncEngine
 from service.config import ServerConfig
 from service.generation import respond_stream, respond_whole, start_run
 from service.observability import Observability
+from service.guards import check_api_key, install_malformed_request_filter, read_json_body
 from service.http_errors import APIError, from_decode_error, from_invalid_request
 from service.openai_requests import chat_prompt_ids, prepare_chat, prepare_completion
 from service.openapi import openapi_document
@@ -43,6 +45,13 @@ class ServerState:
     in_flight: int = 0
     started: float = field(default_factory=time.time)
     obs: Observability | None = None
+    # Tokenization and chat-template rendering run here, off the event loop;
+    # the semaphore bounds the work handed over at once (a waiter that
+    # disconnects simply leaves).
+    preprocess_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=PREPROCESS_THREADS, thread_name_prefix="baton-preprocess"))
+    preprocess_slots: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(2 * PREPROCESS_THREADS))
 
     def ready_engine(self) -> AsyncEngine:
         if self.phase == "loading" or self.engine is None:
@@ -51,10 +60,18 @@ class ServerState:
                            headers={"Retry-After": "5"})
         if self.phase != "ready":
             self._reject("draining")
-            raise APIError(503, "the server is shutting down and takes no new requests")
+            # Another replica may take it (and this one may come back).
+            raise APIError(503, "the server is shutting down and takes no new requests",
+                           headers={"Retry-After": "5"})
         if not self.engine.is_running:
-            raise APIError(503, "the engine loop has stopped")
+            raise APIError(503, "the engine loop has stopped", headers={"Retry-After": "5"})
         return self.engine
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` on the preprocessing threads."""
+        async with self.preprocess_slots:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.preprocess_pool, fn, *args)
 
 
     def _reject(self, reason: str) -> None:
@@ -63,6 +80,7 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+PREPROCESS_THREADS = 2
 
 
 def _json(payload, status: int = 200) -> web.Response:
@@ -90,16 +108,20 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        response = exc.response()
+        if exc.status == 408:
+            response.force_close()  # the rest of that body is not worth waiting for
+        return response
     except InvalidRequestError as exc:
         return from_invalid_request(exc).response()
     except web.HTTPRequestEntityTooLarge as exc:
         return APIError(413, f"request body too large: {exc.text}").response()
     except web.HTTPNotFound:
         return APIError(404, f"no route for {request.method} {request.path}").response()
-    except web.HTTPMethodNotAllowed:
-        return APIError(405, f"method {request.method} not allowed on {request.path}",
-                        ).response()
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return APIError(405, f"method {request.method} not allowed on {request.path} "
+                             f"(allowed: {allowed})", headers={"Allow": allowed}).response()
     except web.HTTPException:
         raise
     except (ConnectionResetError, ConnectionError):
@@ -111,13 +133,12 @@ async def error_middleware(request: web.Request, handler):
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    key = request.app[STATE].config.api_key
-    if key and request.path.startswith("/v1"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
-                           code="invalid_api_key")
+    check_api_key(request, request.app[STATE].config)
     return await handler(request)
+
+
+async def _read(request: web.Request) -> bytes:
+    return await read_json_body(request, request.app[STATE].config.body_read_timeout)
 
 
 # ------------------------------------------------------------------ handlers
@@ -130,9 +151,12 @@ async def _generate(request: web.Request, type_, prepare,
     run = None
     try:
         engine = state.ready_engine()
-        req = _decode(await request.read(), type_)
+        req = _decode(await _read(request), type_)
         _check_model(state, req.model)
-        prepared = prepare(req, engine.tokenizer, engine.model.generation)
+        prepared = await state.off_loop(prepare, req, engine.tokenizer,
+                                        engine.model.generation,
+                                        state.config.trust_message_control_tokens)
+        _apply_default_max_tokens(state.config, engine, req, prepared)
         if telemetry is not None:
             prompt_text = "\n".join(prepared.prompt_texts) if state.obs.log_prompts else None
             telemetry.validated_request(prepared.params, prepared.n, prepared.stream,
@@ -164,14 +188,39 @@ async def _generate(request: web.Request, type_, prepare,
             telemetry.finish(error_type)
 
 
+def _apply_default_max_tokens(cfg, engine: AsyncEngine, req, prepared) -> None:
+    """--default-max-tokens for a request that sends none, cut to what the
+    context leaves (the client asked for no particular length)."""
+    if cfg.default_max_tokens is None or req.max_tokens is not None \
+            or getattr(req, "max_completion_tokens", None) is not None:
+        return
+    room = engine.model.max_model_len - max(len(p) for p in prepared.prompts)
+    max_tokens = max(1, min(cfg.default_max_tokens, room))
+    min_tokens = min(prepared.params.min_tokens, max_tokens)
+    prepared.params = dataclasses.replace(prepared.params, max_tokens=max_tokens,
+                                          min_tokens=min_tokens)
+
+
 def _admit(state: ServerState, engine: AsyncEngine, prepared) -> None:
     cfg = state.config
     count = len(prepared.prompts) * prepared.n
     tokens = sum(len(p) for p in prepared.prompts) * prepared.n
     load = engine.load()
+    # A request that could never fit the queue gets 400, not a 429 that an
+    # obedient client would retry for ever.
+    if len(prepared.prompts) > cfg.max_waiting_requests:
+        raise APIError(400, f"the request holds {len(prepared.prompts)} prompts, more than "
+                            f"this server queues at once ({cfg.max_waiting_requests})",
+                       param="prompt")
+    if count > cfg.max_waiting_requests:
+        raise APIError(400, f"the request asks for {len(prepared.prompts)} x {prepared.n} = "
+                            f"{count} choices, more than this server queues at once "
+                            f"({cfg.max_waiting_requests})", param="n")
     if tokens > cfg.max_waiting_tokens:
         raise APIError(400, f"the request's prompts hold {tokens} tokens, more than this "
-                            f"server queues at once ({cfg.max_waiting_tokens})", param="prompt")
+                            f"server queues at once ({cfg.max_waiting_tokens})",
+                       param="prompt" if prepared.n == 1 or
+                       tokens // prepared.n > cfg.max_waiting_tokens else "n")
     reason = None
     if load.num_waiting + count > cfg.max_waiting_requests:
         reason, what = "queue_full", f"too many requests waiting ({load.num_waiting})"
@@ -203,13 +252,15 @@ async def models(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.ready_engine()
-    req = _decode(await request.read(), TokenizeRequest)
+    req = _decode(await _read(request), TokenizeRequest)
     _check_model(state, req.model)
     tok = engine.tokenizer
     if req.messages is not None:
-        ids = chat_prompt_ids(req.messages, tok, req.add_generation_prompt)
+        ids = await state.off_loop(chat_prompt_ids, req.messages, tok,
+                                   req.add_generation_prompt,
+                                   state.config.trust_message_control_tokens)
     elif req.prompt is not None:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await state.off_loop(tok.encode, req.prompt, req.add_special_tokens)
     else:
         raise APIError(400, "give either prompt or messages", param="prompt")
     return _json(TokenizeResponse(ids, len(ids), engine.model.max_model_len))
@@ -218,7 +269,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.ready_engine()
-    req = _decode(await request.read(), DetokenizeRequest)
+    req = _decode(await _read(request), DetokenizeRequest)
     _check_model(state, req.model)
     vocab = engine.model.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
@@ -226,7 +277,7 @@ async def detokenize(request: web.Request) -> web.Response:
         raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
                        param="tokens")
     # Special tokens stay, so /tokenize -> /detokenize gives back the chat prompt.
-    text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    text = await state.off_loop(engine.tokenizer.decode, req.tokens, False)
     return _json(DetokenizeResponse(text))
 
 
@@ -283,9 +334,15 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def create_app(state: ServerState) -> web.Application:
+    install_malformed_request_filter()
     app = web.Application(client_max_size=state.config.max_body_bytes,
                           middlewares=[error_middleware, auth_middleware])
     app[STATE] = state
+
+    async def stop_preprocessing(_app: web.Application) -> None:
+        state.preprocess_pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_preprocessing)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

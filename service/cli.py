@@ -134,6 +134,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         max_waiting_tokens=ns.max_waiting_tokens,
         request_timeout=_float_or_none(ns.request_timeout), drain_timeout=ns.drain_timeout,
         max_body_bytes=parse_bytes(ns.max_body_size),
+        default_max_tokens=ns.default_max_tokens,
+        unhealthy_after_failed_steps=ns.unhealthy_after_failed_steps,
+        step_timeout=_float_or_none(ns.step_timeout),
+        body_read_timeout=ns.body_read_timeout, max_connections=ns.max_connections,
+        metrics_public=ns.metrics_public,
+        trust_message_control_tokens=ns.trust_message_control_tokens,
         otlp_traces_endpoint=ns.otlp_traces_endpoint, trace_detail=ns.trace_detail,
         log_prompts=ns.log_prompts)
     return run_server(engine_args_from(ns, seed=ns.seed), config)
@@ -161,18 +167,45 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--served-model-name", default=_env("served_model_name", None),
                      help="model id clients use (default: the model's own name)")
     srv.add_argument("--api-key", default=_env("api_key", None),
-                     help="require Authorization: Bearer KEY on /v1 routes")
+                     help="require Authorization: Bearer KEY on every route but /health "
+                          "(and /metrics with --metrics-public)")
     srv.add_argument("--max-waiting-requests", type=int,
                      default=int(_env("max_waiting_requests", 256)),
                      help="requests beyond this many waiting get 429")
     srv.add_argument("--max-waiting-tokens", type=int,
                      default=int(_env("max_waiting_tokens", 262144)),
                      help="prompt tokens beyond this many waiting get 429")
-    srv.add_argument("--request-timeout", default=_env("request_timeout", None),
-                     help="seconds; a request past it ends with what it has")
+    srv.add_argument("--request-timeout", default=_env("request_timeout", "600"),
+                     help="seconds; a request past it ends with what it has (default 600, "
+                          "as long as OpenAI's SDK waits; 0: no limit)")
+    srv.add_argument("--default-max-tokens", type=int,
+                     default=_int_or_none(_env("default_max_tokens", None)),
+                     help="max_tokens for requests that send none (default: OpenAI's, 16 "
+                          "for completions and the rest of the context for chat)")
     srv.add_argument("--drain-timeout", type=float, default=float(_env("drain_timeout", 30)),
                      help="seconds to let in-flight requests finish on SIGTERM")
     srv.add_argument("--max-body-size", default=_env("max_body_size", "8MiB"))
+    srv.add_argument("--body-read-timeout", type=float,
+                     default=float(_env("body_read_timeout", 60)),
+                     help="seconds for a request body to arrive; a slower one gets 408")
+    srv.add_argument("--max-connections", type=int,
+                     default=int(_env("max_connections", 1000)),
+                     help="open client connections; one more is refused with 503")
+    srv.add_argument("--metrics-public", action="store_true",
+                     default=_env("metrics_public", "") in ("1", "true", "yes"),
+                     help="serve /metrics without the API key (for scrapers)")
+    srv.add_argument("--trust-message-control-tokens", action="store_true",
+                     default=_env("trust_message_control_tokens", "") in ("1", "true", "yes"),
+                     help="let control-token text in chat messages (<|im_end|> ...) act "
+                          "as control tokens; only for trusted clients")
+    srv.add_argument("--unhealthy-after-failed-steps", type=int,
+                     default=int(_env("unhealthy_after_failed_steps", 3)),
+                     help="/health answers 503 after this many engine steps in a row "
+                          "failed for every request in them")
+    srv.add_argument("--step-timeout", default=_env("step_timeout", None),
+                     help="seconds after which a backend step counts as hung: it is "
+                          "abandoned and its requests run again without the one that "
+                          "hangs (default: never)")
     srv.add_argument("--seed", type=int, default=_int_or_none(_env("seed", None)))
     srv.add_argument("--otlp-traces-endpoint", default=_env("otlp_traces_endpoint", None),
                      help="OTLP endpoint for traces (OTEL_EXPORTER_OTLP_* work too); "

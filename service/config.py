@@ -52,15 +52,23 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_requests: int = 256
     max_waiting_tokens: int = 262_144
-    request_timeout: float | None = None   # seconds; None: no limit
+    request_timeout: float | None = 600.0  # seconds; None: no limit (OpenAI's SDK waits 600 s)
+    default_max_tokens: int | None = None   # max_tokens when a request sends none (None: OpenAI's)
     drain_timeout: float = 30.0
     max_body_bytes: int = 8 * 1024 * 1024
     stall_timeout: float = 60.0             # /health fails when a busy loop makes no step this long
     unhealthy_after_failed_steps: int = 3   # /health fails after this many wholly failed steps
+    step_timeout: float | None = None       # seconds before a backend step counts as hung
+    body_read_timeout: float = 60.0         # seconds for a request body to arrive (else 408)
+    max_connections: int = 1000             # open client connections; one more gets 503
+    metrics_public: bool = False            # serve /metrics without the API key
+    # Message content may carry control tokens (<|im_end|> ...) as control
+    # tokens, not as text: only for trusted clients (docs/security.md).
+    trust_message_control_tokens: bool = False
     otlp_traces_endpoint: str | None = None  # besides OTEL_EXPORTER_OTLP_* in the environment
     trace_detail: str = "request"            # none | request | step
     log_prompts: bool = False
 
     def fault_policy(self) -> FaultPolicy:
         return FaultPolicy(unhealthy_after_failed_steps=self.unhealthy_after_failed_steps,
-                           stall_timeout=self.stall_timeout)
+                           stall_timeout=self.stall_timeout, step_timeout=self.step_timeout)

@@ -73,8 +73,10 @@ class GenerationRun:
                 for j in range(p.n):
                     params = p.params
                     if p.n > 1 and params.seed is not None:
-                        # n seeded choices: reproducible, yet not n copies.
-                        params = dataclasses.replace(params, seed=params.seed + j)
+                        # n seeded choices: reproducible, yet not n copies
+                        # (wrapping within the signed 64-bit range of a seed).
+                        seed = (params.seed + j + 2**63) % 2**64 - 2**63
+                        params = dataclasses.replace(params, seed=seed)
                     rid = f"{self.id}-{i * p.n + j}"
                     self.engine.add_request(prompt, params, rid, queue, p.priority)
                     self.request_ids.append(rid)

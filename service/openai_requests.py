@@ -9,7 +9,7 @@ from backends.config import GenerationDefaults
 from backends.errors import InvalidRequestError
 from backends.interface import SamplingParams
 from backends.tokenizer import Tokenizer
-from service.chat_template import render_chat
+from service.chat_template import tokenize_chat
 from service.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 MAX_N = 128
@@ -65,7 +65,10 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
-                       defaults: GenerationDefaults) -> PreparedRequest:
+                       defaults: GenerationDefaults,
+                       trust_control_tokens: bool = False) -> PreparedRequest:
+    # A completion prompt is the client's own text, control tokens included;
+    # ``trust_control_tokens`` concerns chat messages only.
     prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -121,19 +124,22 @@ def message_dict(message: ChatMessage) -> dict:
 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True,
+                    trust_control_tokens: bool = False) -> list[int]:
+    """Message content is tokenized as text: control-token strings in it do
+    not become control tokens unless ``trust_control_tokens``."""
     if not messages:
         raise InvalidRequestError("messages must not be empty", "messages")
-    text = render_chat(tokenizer.chat_template, [message_dict(m) for m in messages],
-                       add_generation_prompt=add_generation_prompt,
-                       bos_token=tokenizer.spec.bos_token, eos_token=tokenizer.spec.eos_token)
-    # The template writes any BOS itself, as Hugging Face's apply_chat_template assumes.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenize_chat(tokenizer, [message_dict(m) for m in messages],
+                         add_generation_prompt=add_generation_prompt,
+                         trust_control_tokens=trust_control_tokens)
 
 
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer,
-                 defaults: GenerationDefaults) -> PreparedRequest:
-    ids = chat_prompt_ids(req.messages, tokenizer, req.add_generation_prompt)
+                 defaults: GenerationDefaults,
+                 trust_control_tokens: bool = False) -> PreparedRequest:
+    ids = chat_prompt_ids(req.messages, tokenizer, req.add_generation_prompt,
+                          trust_control_tokens)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     if req.top_logprobs is not None and not req.logprobs:

@@ -26,6 +26,18 @@ _STREAM_CHUNKS = {"/v1/completions": p.CompletionChunk,
                   "/v1/chat/completions": p.ChatCompletionChunk}
 
 
+def _event_stream(chunk) -> dict:
+    """With stream=true the body is text: server-sent events, not one JSON
+    document; each event's data is a chunk (its schema is in components)."""
+    name = chunk.__name__
+    return {"type": "string",
+            "description": f"Server-sent events (stream=true). Each event is a line "
+                          f"`data: <{name} as JSON>` (#/components/schemas/{name}) and a "
+                          f"blank line; an error after the stream began is sent as "
+                          f"`data: <ErrorResponse as JSON>`; the stream ends with "
+                          f"`data: [DONE]`."}
+
+
 @functools.lru_cache(maxsize=2)
 def openapi_document(version: str) -> bytes:
     types = [t for _, _, _, req, resp in _ROUTES for t in (req, resp) if t is not None]
@@ -39,7 +51,7 @@ def openapi_document(version: str) -> bytes:
     for method, path, summary, req, resp in _ROUTES:
         content = {_JSON: {"schema": refs[resp]}}
         if path in _STREAM_CHUNKS:
-            content["text/event-stream"] = {"schema": refs[_STREAM_CHUNKS[path]]}
+            content["text/event-stream"] = {"schema": _event_stream(_STREAM_CHUNKS[path])}
         op = {"summary": summary,
               "responses": {"200": {"description": "success", "content": content},
                             "default": error}}

@@ -15,6 +15,7 @@ from scheduler.async_engine import AsyncEngine
 from service.app import ServerState, create_app
 from service.config import EngineArgs, ServerConfig
 from service.engine_factory import create_engine, model_name_for
+from service.guards import limit_connections
 from service.observability import Observability
 from telemetry.logs import log_lifecycle
 from telemetry.metrics import Metrics
@@ -37,6 +38,8 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     app = create_app(state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
+    _raise_open_files_limit(config.max_connections)
+    limit_connections(runner, config.max_connections)
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     log_lifecycle("loading", host=config.host, port=config.port, model=obs.model_name,
@@ -82,6 +85,20 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     obs.tracing.shutdown()
     log_lifecycle("stopped")
     return 0
+
+
+def _raise_open_files_limit(max_connections: int) -> None:
+    """Each connection is a file descriptor: lift the soft limit towards the
+    hard one so --max-connections, not EMFILE, is what refuses clients."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = max_connections + 256
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, ValueError, OSError):
+        log.warning("could not raise the open-files limit for %d connections", max_connections)
 
 
 def _load_in_background(engine_args: EngineArgs) -> asyncio.Future:

@@ -28,6 +28,7 @@ from telemetry.tracing import Tracing
 from service.app import ServerState, create_app
 from service.config import EngineArgs, ServerConfig
 from service.engine_factory import create_engine
+from service.guards import limit_connections
 
 START_TIMEOUT = 30.0
 
@@ -117,6 +118,7 @@ def running_server(engine: EngineCore | EngineArgs, config: ServerConfig | None 
         state.phase = "ready"
         runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()
+        started["limiter"] = limit_connections(runner, config.max_connections)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         site = web.SockSite(runner, sock)

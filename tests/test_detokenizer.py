@@ -487,3 +487,27 @@ def test_random_token_sequences(
             if "\ufffd" not in full or family == "byte_level":
                 assert "".join(deltas) + tail == full
     assert valid > 200
+
+
+def test_stop_matcher_agrees_with_brute_force_on_random_streams() -> None:
+    """Linear-time matching gives what a character-by-character scan for the
+    first completed stop (then the longest of those) gives, however the text
+    is chunked."""
+    import random
+    rng = random.Random(15)
+    for _ in range(400):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5)))
+                 for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        ends = [(text.find(s) + len(s), -len(s), s) for s in stops if s in text]
+        expected = text[:min(ends)[0] + min(ends)[1]] if ends else text
+        matcher = StopStringMatcher(stops)
+        out, pos = [], 0
+        while pos < len(text) and matcher.matched is None:
+            step = rng.randint(1, 6)
+            out.append(matcher.feed(text[pos:pos + step]))
+            pos += step
+        if matcher.matched is None:
+            out.append(matcher.flush())
+        assert "".join(out) == expected, (stops, text)
+        assert (matcher.matched is not None) == bool(ends)

@@ -332,7 +332,7 @@ def test_api_key_required(tiny_llama_dir):
         with pytest.raises(urllib.error.HTTPError) as http_info:
             urllib.request.urlopen(req, timeout=30)
         assert http_info.value.code == 401
-        # Health and version stay open to probes.
+        # Health stays open to probes.
         with urllib.request.urlopen(f"{srv.base_url}/health", timeout=30) as resp:
             assert resp.status == 200
         srv.wait_idle()

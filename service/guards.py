@@ -1,0 +1,161 @@
+"""What stands between the network and the handlers: the API key, the request
+body (media type, time to arrive, content encoding), the connection cap, and
+quiet logging of malformed HTTP. docs/security.md says what each guards."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+from service.config import ServerConfig
+from service.http_errors import APIError
+
+log = logging.getLogger("baton.http")
+
+# /dashboard is a static page that holds no data; it asks for the key before
+# it fetches /dashboard/stats (which is guarded).
+_ALWAYS_PUBLIC = frozenset({"/health", "/dashboard"})
+
+
+def is_public(path: str, config: ServerConfig) -> bool:
+    return path in _ALWAYS_PUBLIC or (path == "/metrics" and config.metrics_public)
+
+
+def api_key_matches(authorization: str | None, key: str) -> bool:
+    """``Authorization: Bearer KEY``, the scheme in any case. Digests are
+    compared, in constant time, so the time taken tells nothing about the
+    key, not even its length."""
+    if not authorization:
+        return False
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(hashlib.sha256(token.strip().encode()).digest(),
+                               hashlib.sha256(key.encode()).digest())
+
+
+def check_api_key(request: web.Request, config: ServerConfig) -> None:
+    if config.api_key and not is_public(request.path, config) and \
+            not api_key_matches(request.headers.get(hdrs.AUTHORIZATION), config.api_key):
+        raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def read_json_body(request: web.Request, timeout: float | None) -> bytes:
+    """The body of a JSON route: 415 for another media type (none at all is
+    taken as JSON, as curl -d users expect), 408 when it does not arrive in
+    ``timeout`` seconds, 400 when its content encoding does not decode."""
+    content_type = request.headers.get(hdrs.CONTENT_TYPE)
+    if content_type is not None:
+        mime = content_type.partition(";")[0].strip().lower()
+        if mime != "application/json" and not mime.endswith("+json"):
+            raise APIError(415, f"this route takes application/json, not {mime or '(empty)'!r}",
+                           code="unsupported_media_type")
+    try:
+        return await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    except RequestPayloadError as exc:
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity")
+        raise APIError(400, f"the request body could not be read (Content-Encoding "
+                            f"{encoding!r}): {_payload_reason(exc)}") from None
+
+
+def _payload_reason(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc
+    return getattr(cause, "message", None) or str(cause)
+
+
+# ---------------------------------------------------------------- connections
+
+class ConnectionLimiter:
+    """At most ``limit`` open client connections; one more is answered 503
+    with Retry-After and closed at once, before anything is parsed."""
+
+    _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
+                b"Content-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%s")
+    _BODY = (b'{"error": {"message": "too many open connections; retry shortly", '
+             b'"type": "service_unavailable", "param": null, "code": "too_many_connections"}}')
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self.limit = limit
+        self.num_refused = 0
+        self._open: set = set()
+        self._made = server.connection_made
+        self._lost = server.connection_lost
+        server.connection_made = self._connection_made  # type: ignore[method-assign]
+        server.connection_lost = self._connection_lost  # type: ignore[method-assign]
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def _connection_made(self, handler, transport) -> None:
+        if len(self._open) >= self.limit:
+            self.num_refused += 1
+            transport.write(self._REFUSAL % (len(self._BODY), self._BODY))
+            transport.close()
+            return
+        self._open.add(handler)
+        self._made(handler, transport)
+
+    def _connection_lost(self, handler, exc=None) -> None:
+        self._open.discard(handler)
+        self._lost(handler, exc)
+
+
+def limit_connections(runner: web.AppRunner, limit: int | None) -> ConnectionLimiter | None:
+    """Cap ``runner``'s open connections (call after ``runner.setup()``)."""
+    if not limit or runner.server is None:
+        return None
+    return ConnectionLimiter(runner.server, limit)
+
+
+# -------------------------------------------------------------------- logging
+
+class MalformedRequestLogFilter(logging.Filter):
+    """aiohttp logs a client's malformed HTTP (bad request line, bad headers,
+    a body that does not decode) as an error with a traceback. It is the
+    client's fault: one warning line, no traceback, at most one per
+    ``interval`` seconds (the next says how many were left out)."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        super().__init__()
+        self.interval = interval
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, (HttpProcessingError, RequestPayloadError)):
+            return True
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._suppressed += 1
+            return False
+        self._last = now
+        note = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
+        self._suppressed = 0
+        reason = _payload_reason(exc).replace("\n", " ").strip()
+        record.msg = "malformed HTTP request from a client: %s%s"
+        record.args = (reason, note)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = None
+        record.exc_text = None
+        return True
+
+
+def install_malformed_request_filter() -> None:
+    """Once per process, on aiohttp's server logger."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestLogFilter) for f in logger.filters):
+        logger.addFilter(MalformedRequestLogFilter())
