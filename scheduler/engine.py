@@ -263,6 +263,14 @@ class EngineCore:
             if request_id in live and request_id not in faults:
                 self._prompt_logprobs.setdefault(request_id, []).extend(entries)
         faults = dict(faults)
+        failed_requests: list[Request] = []
+        # Fail the culprits first: what their rows wrote into the KV cache
+        # must not be named in the prefix cache by update_from_output.
+        for request_id in faults:
+            # None when it was aborted meanwhile: it has had its final output.
+            request = self.scheduler.finish_request(request_id, FinishReason.ERROR)
+            if request is not None:
+                failed_requests.append(request)
 
         def text_hook(request: Request, token_id: int) -> tuple[str, str | None]:
             try:
@@ -273,12 +281,11 @@ class EngineCore:
             return delta.text, delta.stop_string
 
         outputs: list[RequestOutput] = []
-        failed_requests: list[Request] = []
+        hook_failed: list[Request] = []
         for update in self.scheduler.update_from_output(output, result, text_hook):
             request = update.request
-            if request.request_id in faults:
-                if request.is_finished:  # it ended on this token all the same
-                    failed_requests.append(request)
+            if request.request_id in faults:  # its detokenization failed
+                hook_failed.append(request)
                 continue
             logprobs = [update.logprobs] if update.logprobs is not None else None
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
@@ -290,10 +297,10 @@ class EngineCore:
                 outputs.append(self._output(request, [update.token_id], update.text,
                                             logprobs))
             outputs[-1].prompt_logprobs = prompt_logprobs
-        for request_id in faults:
-            # None when it was aborted meanwhile: it has had its final output.
-            request = self.scheduler.finish_request(request_id, FinishReason.ERROR)
-            if request is not None:
+        for request in hook_failed:
+            if request.is_finished:  # it ended on this very token all the same
+                failed_requests.append(request)
+            elif self.scheduler.finish_request(request.request_id, FinishReason.ERROR):
                 failed_requests.append(request)
         for request in failed_requests:
             request.finish_reason = FinishReason.ERROR

@@ -47,7 +47,7 @@ def _run(core, waves, abort_mid_prefill: bool) -> dict:
         # computes some of the shared prefix, then goes away mid-prefill
         core.add_request("gone", waves[1]["w2-2"] + [5, 6, 7], GREEDY)
         for _ in range(2):
-            assert core.step() == []
+            assert core.step().outputs == []
         # 14 of the 21 shared tokens: three full blocks and half of one
         assert core.scheduler.requests["gone"].num_computed_tokens == 14
         core.abort("gone")
@@ -93,7 +93,7 @@ def test_priority_policy_orders_admission_and_fcfs_refuses_priorities(tiny_llama
         core.add_request(rid, [10 + len(rid), 11, 12], params, priority=priority)
     order = []
     while core.has_unfinished():
-        for out in core.step():
+        for out in core.step().outputs:
             if out.finished:
                 order.append(out.request_id)
     assert order == ["first", "second", "third", "late"]
