@@ -150,9 +150,9 @@ class IncrementalDetokenizer:
     has already shown, so the texts can differ there.
 
     After a stop string matched, or after ``flush``, ``push`` raises
-    ``DetokenizerFinishedError`` and ``flush`` returns "". ``token_ids`` then
-    ends with the token that completed the stop string; ids after it in the
-    same push are dropped, as is their text.
+    ``DetokenizerFinishedError`` and ``flush`` returns "". Ids after the one
+    that completed the stop string in the same push are dropped, as is their
+    text.
 
     Window invariants. ``_window`` holds the recent ids the decoder sees
     (skipped special tokens never enter it): ``_window[:_read_offset]`` is
@@ -179,26 +179,13 @@ class IncrementalDetokenizer:
             token_id for token_id, added in tokenizer.get_added_tokens_decoder().items()
             if added.special) if skip_special_tokens else frozenset()
         self._stop = StopStringMatcher(stop, include_stop_in_output=include_stop_in_output)
-        self._token_ids: list[int] = []
+        # No history of ids or text: the request keeps its ids, the client its
+        # text. Only the short decode window lives here.
         self._window: list[int] = []
         self._read_offset = 0
         self._prefix_len = 0
         self._pending_emitted = 0
-        self._output_parts: list[str] = []
-        self._output_text: str | None = ""
         self._finished = False
-
-    @property
-    def output_text(self) -> str:
-        """Everything released so far."""
-        if self._output_text is None:
-            self._output_text = "".join(self._output_parts)
-        return self._output_text
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        """A copy of the output ids pushed so far."""
-        return tuple(self._token_ids)
 
     @property
     def stop_string(self) -> str | None:
@@ -220,7 +207,6 @@ class IncrementalDetokenizer:
                 "push() after the output finished (stop string or flush)")
         parts: list[str] = []
         for token_id in token_ids:
-            self._token_ids.append(token_id)
             if token_id in self._skipped_ids:
                 continue
             released = self._stop.feed(self._decode_next(token_id))
@@ -229,9 +215,7 @@ class IncrementalDetokenizer:
             if self._stop.matched is not None:
                 self._finished = True
                 break
-        text = "".join(parts)
-        self._record(text)
-        return DetokenizerUpdate(text, self._stop.matched)
+        return DetokenizerUpdate("".join(parts), self._stop.matched)
 
     def flush(self) -> str:
         """The output ended without a stop string (EOS, length, abort):
@@ -247,7 +231,6 @@ class IncrementalDetokenizer:
         released = self._stop.feed(tail)
         if self._stop.matched is None:
             released += self._stop.flush()
-        self._record(released)
         return released
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -285,8 +268,3 @@ class IncrementalDetokenizer:
         del self._window[:old_read]
         self._read_offset -= old_read
         self._prefix_len = len(self._decode(self._window))
-
-    def _record(self, text: str) -> None:
-        if text:
-            self._output_parts.append(text)
-            self._output_text = None

@@ -362,10 +362,14 @@ class EngineCore:
         """Entries in every per-request table the engine owns (and the
         backend's, when it says); all zero on an idle engine."""
         with self._lock:
+            kv = self.kv_cache
             sizes = {"scheduler": len(self.scheduler.requests),
                      "detokenizer": len(self._detokenizers),
                      "prompt_logprobs": len(self._prompt_logprobs),
-                     "finished_pending": self.scheduler.num_finished_pending}
+                     "finished_pending": self.scheduler.num_finished_pending,
+                     "kv_cache": len(kv.request_ids),
+                     # not a table, but the per-request resource that matters most
+                     "kv_blocks_held": kv.pool.num_used_blocks}
             backend_ids = _backend_request_ids(self.backend)
             if backend_ids is not None:
                 sizes["backend"] = len(backend_ids)
@@ -384,6 +388,9 @@ class EngineCore:
             stale = set(self._prompt_logprobs) - live
             if stale:
                 raise AssertionError(f"prompt logprobs kept for ended requests {sorted(stale)}")
+            stale = self.kv_cache.request_ids - live
+            if stale:
+                raise AssertionError(f"KV cache state kept for ended requests {sorted(stale)}")
             backend_ids = _backend_request_ids(self.backend)
             if backend_ids is not None:
                 ended = backend_ids - live - set(self.scheduler.finished_pending_ids)

@@ -38,7 +38,7 @@ def client_finish_reason(reason: str | None) -> str | None:
 @dataclass(slots=True)
 class Choice:
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # the ids themselves are the engine's (Request.output_token_ids)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
@@ -182,7 +182,7 @@ async def respond_whole(run: GenerationRun) -> web.Response:
     async for index, out in run.outputs():
         c = choices[index]
         c.text += out.text
-        c.token_ids.extend(out.new_token_ids)
+        c.num_tokens += len(out.new_token_ids)
         if out.logprobs:
             c.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
@@ -201,7 +201,7 @@ async def respond_whole(run: GenerationRun) -> web.Response:
     firsts = [choices[i * p.n] for i in range(len(p.prompts))]
     usage = make_usage([c.num_prompt_tokens for c in firsts],
                        [c.num_cached_tokens for c in firsts],
-                       sum(len(c.token_ids) for c in choices))
+                       sum(c.num_tokens for c in choices))
     if p.kind == "chat":
         body = ChatCompletionResponse(run.id, run.created, run.model, [
             ChatChoice(i, ChatResponseMessage("assistant", c.text),

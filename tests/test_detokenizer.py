@@ -21,8 +21,35 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from scheduler.detokenizer import (MAX_PENDING_TOKENS, PREFIX_WINDOW_TOKENS,
-                                   DetokenizerFinishedError, IncrementalDetokenizer,
-                                   StopStringMatcher)
+                                   DetokenizerFinishedError, DetokenizerUpdate,
+                                   IncrementalDetokenizer, StopStringMatcher)
+
+class RecordingDetokenizer(IncrementalDetokenizer):
+    """Keeps what production does not: every id taken and every text
+    released, so tests can compare them with a one-shot decode."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.token_ids: tuple[int, ...] = ()
+        self.output_text = ""
+
+    def push(self, token_ids):
+        texts, stop = [], None
+        for token_id in token_ids:
+            update = super().push([token_id])
+            self.token_ids += (token_id,)
+            texts.append(update.text)
+            if update.stop_string is not None:
+                stop = update.stop_string
+                break
+        self.output_text += "".join(texts)
+        return DetokenizerUpdate("".join(texts), stop)
+
+    def flush(self) -> str:
+        text = super().flush()
+        self.output_text += text
+        return text
+
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. The end of the story.\n",
@@ -160,9 +187,9 @@ def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
 
 
 def stream(tok: Tokenizer, ids: Sequence[int], chunks: Sequence[int] | None = None,
-           **kwargs) -> tuple[list[str], str, IncrementalDetokenizer]:
+           **kwargs) -> tuple[list[str], str, RecordingDetokenizer]:
     """Push ``ids`` (one at a time, or in ``chunks`` sizes); deltas and flush."""
-    detok = IncrementalDetokenizer(tok, **kwargs)
+    detok = RecordingDetokenizer(tok, **kwargs)
     sizes = list(chunks) if chunks is not None else [1] * len(ids)
     deltas, pos = [], 0
     for size in sizes:
@@ -308,7 +335,7 @@ def test_each_push_decodes_a_bounded_window(sentencepiece: Tokenizer) -> None:
     ids = sentencepiece.encode("mixed: abc😀def世界 " * 60).ids
     garbage = ids_of(sentencepiece, "<0x80>") * 3 * MAX_PENDING_TOKENS  # never valid UTF-8
     spy = DecodeSpy(sentencepiece)
-    detok = IncrementalDetokenizer(spy)  # type: ignore[arg-type]
+    detok = RecordingDetokenizer(spy)  # type: ignore[arg-type]
     text = "".join(detok.push([i]).text for i in ids)
     assert text == sentencepiece.decode(ids)
     assert max(spy.lengths) <= PREFIX_WINDOW_TOKENS + 4
@@ -326,7 +353,7 @@ def test_stop_string_split_across_tokens(byte_level: Tokenizer, sentencepiece: T
     cases = [(byte_level, ["The", "Ġthe", "E", "N", "D", "Ġthe"]),
              (sentencepiece, ["▁The", "▁the", "<0x45>", "<0x4E>", "<0x44>", "▁the"])]
     for tok, pieces in cases:
-        detok = IncrementalDetokenizer(tok, stop=("END",))
+        detok = RecordingDetokenizer(tok, stop=("END",))
         updates = [detok.push([i]) for i in ids_of(tok, *pieces)[:5]]
         assert [u.text for u in updates] == ["The", " the", "", "", ""]
         assert [u.stop_string for u in updates] == [None] * 4 + ["END"]
@@ -338,7 +365,7 @@ def test_stop_string_split_across_tokens(byte_level: Tokenizer, sentencepiece: T
 
 def test_text_and_tokens_after_the_stop_string_are_dropped(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("abc STOP def ghi").ids
-    detok = IncrementalDetokenizer(tokenizer, stop=("STOP",))
+    detok = RecordingDetokenizer(tokenizer, stop=("STOP",))
     update = detok.push(ids)
     assert (update.text, update.stop_string) == ("abc ", "STOP")
     # token_ids end with the token that completed the stop string
@@ -351,7 +378,7 @@ def test_stop_at_the_very_first_token(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("The end").ids
     first = tokenizer.decode(ids[:1])
     assert first.startswith("The")
-    detok = IncrementalDetokenizer(tokenizer, stop=(first,))
+    detok = RecordingDetokenizer(tokenizer, stop=(first,))
     update = detok.push(ids[:1])
     assert (update.text, update.stop_string) == ("", first)
     assert detok.output_text == "" and detok.token_ids == tuple(ids[:1])
@@ -385,7 +412,7 @@ def test_overlapping_stops_the_one_completing_first_wins(byte_level: Tokenizer) 
 
 
 def test_possible_stop_prefix_is_held_then_released(byte_level: Tokenizer) -> None:
-    detok = IncrementalDetokenizer(byte_level, stop=("ENDING",))
+    detok = RecordingDetokenizer(byte_level, stop=("ENDING",))
     assert detok.push(byte_level.encode("The END").ids).text == "The "  # "END" held
     assert detok.push(byte_level.encode("I").ids).text == ""            # "ENDI" held
     assert detok.push(byte_level.encode("X").ids).text == "ENDIX"       # cannot match now
@@ -396,11 +423,11 @@ def test_possible_stop_prefix_is_held_then_released(byte_level: Tokenizer) -> No
 
 def test_held_text_is_at_most_longest_stop_minus_one(byte_level: Tokenizer) -> None:
     a, b, c, x = ids_of(byte_level, "a", "b", "c", "x")
-    detok = IncrementalDetokenizer(byte_level, stop=("abcd", "x"))
+    detok = RecordingDetokenizer(byte_level, stop=("abcd", "x"))
     assert [detok.push([i]).text for i in (a, b, c, a, b)] == ["", "", "", "abc", ""]
     assert detok.flush() == "ab"
     # after "aaa" the tail "aa" may still start "aab": hold it, do not give up
-    detok = IncrementalDetokenizer(byte_level, stop=("aab",))
+    detok = RecordingDetokenizer(byte_level, stop=("aab",))
     updates = [detok.push([i]) for i in (a, a, a, a, b)]
     assert [u.text for u in updates] == ["", "", "a", "a", ""]
     assert updates[-1].stop_string == "aab" and detok.output_text == "aa"
@@ -416,7 +443,7 @@ def test_special_token_text_as_stop_string(byte_level: Tokenizer) -> None:
 
 def test_empty_stop_string_is_rejected(byte_level: Tokenizer) -> None:
     with pytest.raises(ValueError, match="empty"):
-        IncrementalDetokenizer(byte_level, stop=("ok", ""))
+        RecordingDetokenizer(byte_level, stop=("ok", ""))
 
 
 # ------------------------------------------------------------------ properties
