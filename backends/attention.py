@@ -1,8 +1,8 @@
 """Attention over a paged KV pool, in portable torch (CPU and CUDA alike).
 
 The flattened batch puts single-token decodes first and prefill chunks after
-them. Decodes are batched into one padded SDPA call per layer (on CPU in
-float32, a native kernel reads the blocks in place instead); each prefill
+them. Decodes are batched into one padded SDPA call per layer (or a native
+kernel reads the blocks in place instead); each prefill
 chunk gets its own call with a causal mask offset by the tokens already in the
 cache. The gather indices and masks are built once per step (by the backend)
 and shared by all layers.
@@ -10,8 +10,8 @@ and shared by all layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +39,11 @@ class AttentionMetadata:
     block_size: int
     num_decode: int                     # rows 0..num_decode-1 are decodes
     decode_blocks: torch.Tensor | None  # [D, NB] block table of each decode
-    decode_mask: torch.Tensor | None    # [D, 1, 1, NB * block_size] True where real
+    # [D, 1, 1, NB * block_size] True where real; only for the torch (SDPA)
+    # decode path, None when a kernel reads the pool in place.
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillSegment]
-    # With a native kernel (CPU float32) decodes read the pool in place and
-    # need only each row's context length; decode_mask is then None.
-    decode_kernel: Any = None
-    decode_lens: torch.Tensor | None = None   # [D] int64
+    decode_lens: torch.Tensor | None = None   # [D] int64: each decode's context length
     decode_max_len: int = 0
 
 
@@ -57,8 +56,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
+                    meta: AttentionMetadata, scale: float,
+                    decode_kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads * head_dim]. Decodes go to
+    ``decode_kernel`` (reading the pool in place) when one is given, else to
+    gather + SDPA; prefill chunks always to SDPA."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     bs = meta.block_size
@@ -66,8 +68,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
     out = torch.empty_like(q)
     d = meta.num_decode
-    if d and meta.decode_kernel is not None:
-        decoded = meta.decode_kernel(q[:d], k_cache, v_cache, meta.decode_blocks,
+    if d and decode_kernel is not None:
+        decoded = decode_kernel(q[:d], k_cache, v_cache, meta.decode_blocks,
                                      meta.decode_lens, meta.decode_max_len, bs, scale)
         if not meta.prefills:
             return decoded.reshape(num_tokens, num_heads * head_dim)

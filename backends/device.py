@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
+from backends.execution import CpuFeatures
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_has_fast_bf16() -> bool:
-    """bfloat16 matmuls are only fast on CPUs with native bf16 instructions;
-    elsewhere (AVX2-only CPUs) torch emulates them, several times slower than
-    float32."""
-    flags = cpu_flags()
-    return bool({"avx512_bf16", "amx_bf16"} & flags) or "avx_ne_convert" in flags
-
-
-def resolve_dtype(name: str, device: str) -> str:
+def resolve_dtype(name: str, device: str, cpu_kind: str = "auto") -> str:
     """``auto``: bfloat16 where the hardware computes it natively (CUDA with
-    bf16 support, CPUs with AVX-512 BF16 / AMX), else float32."""
+    bf16 support, CPUs of kind avx512_bf16 / with AMX; ``cpu_kind`` limits
+    the CPU as ExecutionOptions does), else float32."""
     if name != "auto":
         return name
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    cpu = CpuFeatures.detect()
+    if cpu_kind != "auto":
+        cpu = cpu.limited_to(cpu_kind)
+    return "bfloat16" if cpu.native_bf16 else "float32"

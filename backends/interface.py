@@ -240,10 +240,14 @@ class StepResult:
 
 
 class Backend(Protocol):
-    """An execution backend: owns weights, the KV tensors and the sampler."""
+    """An execution backend: owns weights, the KV tensors and the sampler.
+    Built by ``backends.factory.create_backend``."""
 
     num_kv_blocks: int
     block_size: int
+    kv_capacity_tokens: int   # num_kv_blocks * block_size
+    num_parameters: int       # the trained model's, whatever the storage
+    weight_bytes: int         # memory the weights occupy (for the load log)
 
     def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
         """Run one forward pass over the scheduled tokens and sample."""

@@ -122,3 +122,27 @@ def bf16_weights_linears(model: nn.Module, gemv) -> int:
     """Replace every ``nn.Linear`` (holding bfloat16-exact values) by a
     Bf16WeightLinear. Returns how many were replaced."""
     return _replace_linears(model, lambda w, b: Bf16WeightLinear(w, b, gemv))
+
+
+def swap_linears(model: nn.Module, plan) -> int:
+    """Give the decoder layers' linear modules and the output projection
+    (``model.layers``, ``model.lm_head``) the implementation ``plan`` names
+    (backends/execution.py): ``onednn`` / ``onednn-f32-copy`` PackedLinear,
+    ``bf16-gemv+onednn`` Bf16WeightLinear; ``torch`` and the quantized kinds
+    keep what loading put there. Returns how many layer linears changed."""
+    make = None
+    if plan.linear in ("onednn", "onednn-f32-copy"):
+        make = PackedLinear
+    elif plan.linear == "bf16-gemv+onednn":
+        from backends.kernels import gemv_bf16
+        gemv = gemv_bf16(plan.kernels)
+        make = lambda w, b: Bf16WeightLinear(w, b, gemv)  # noqa: E731
+    replaced = _replace_linears(model.layers, make) if make is not None else 0
+    if type(model.lm_head) is nn.Linear and plan.lm_head != "torch":
+        if plan.lm_head == "bf16-gemv+onednn":
+            from backends.kernels import gemv_bf16
+            model.lm_head = Bf16WeightLinear(model.lm_head.weight, None,
+                                             gemv_bf16(plan.kernels))
+        else:
+            model.lm_head = PackedLinear(model.lm_head.weight, None)
+    return replaced

@@ -1,4 +1,5 @@
-"""The torch backend: one code path for CPU and CUDA, float32 / bfloat16 / float16.
+"""The torch backend: CPU and CUDA, float32 / bfloat16 / float16, following an
+ExecutionPlan.
 
 It owns the model weights, the paged KV tensors (one K and one V tensor per
 layer, ``[num_blocks * block_size, kv_heads, head_dim]``) and the per-request
@@ -16,18 +17,19 @@ import torch
 
 from backends.attention import AttentionMetadata, PrefillSegment
 from backends.config import LoadedModel, ModelConfig
+from backends.device import DTYPES
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
-from backends.linear import (Bf16WeightLinear, PackedLinear, bf16_weights_linears,
-                             packing_supported, prepack_linears)
+from backends.execution import ExecutionPlan
+from backends.linear import swap_linears
 from backends.models.decoder import DecoderLM
-from backends.rope import rope_table
+from backends.ops import TORCH_OPS, native_cpu_ops
 from backends.quantization.spec import QuantizationSpec
+from backends.rope import rope_table
 from backends.sampler import PenaltyInputs, SamplingBatch, sample
 
 log = logging.getLogger("baton.backend")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 CUDA_KV_FRACTION = 0.9  # of the memory left after the weights
 
@@ -49,70 +51,45 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class TorchBackend:
-    def __init__(self, loaded: LoadedModel, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, block_size: int = 16,
+    """Runs a model as its ExecutionPlan says (backends/execution.py): the
+    plan fixes the numerics (activation, weight and KV dtypes) and which
+    implementation every op and linear layer gets; this class only follows
+    it. Build one with ``backends.factory.create_backend``."""
+
+    def __init__(self, loaded: LoadedModel, plan: ExecutionPlan, *, block_size: int = 16,
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                  max_positions: int | None = None, seed: int | None = None,
-                 quantization: QuantizationSpec | None = None,
-                 prepack: bool = True, native_kernels: bool = True,
-                 kv_dtype: torch.dtype | None = None,
-                 bf16_weights: bool | None = None) -> None:
-        self.device = torch.device(device)
-        self.dtype = dtype
+                 quantization: QuantizationSpec | None = None) -> None:
+        self.plan = plan
+        self.device = torch.device(plan.device)
+        self.dtype = DTYPES[plan.dtype]
+        self.compute_dtype = act = DTYPES[plan.activation_dtype]
+        self.kv_dtype = DTYPES[plan.kv_dtype]
         self.config = loaded.config
         self.block_size = block_size
         self.eos_token_ids = tuple(loaded.generation.eos_token_ids)
+        self.quantization = quantization or QuantizationSpec(plan.quantization)
 
+        positions = max_positions or self.config.max_position_embeddings
+        cos_table, sin_table = rope_table(self.config, positions, act, self.device)
+        self.ops = native_cpu_ops(plan.kernels) if plan.kernels else TORCH_OPS
         with torch.device("meta"):
-            self.model = DecoderLM(self.config)
-        self.quantization = quantization or QuantizationSpec()
-        cpu_fast = self.device.type == "cpu" and native_kernels and prepack
-        # bfloat16 on a CPU without bfloat16 instructions: torch would emulate
-        # every bf16 matmul (several times slower than float32). Instead the
-        # weights keep their bfloat16 values (Bf16WeightLinear streams them as
-        # bf16 at small batches) and all arithmetic, activations and the KV
-        # cache are float32, as llama.cpp runs a bf16 model on such CPUs.
-        # ``bf16_weights=True`` forces that mode on a CPU with native bf16 too
-        # (so the path AVX2-only CPUs run is tested everywhere).
-        if bf16_weights is None:
-            bf16_weights = not packing_supported(self.device, torch.bfloat16)
-        gemv = None
-        if (cpu_fast and dtype == torch.bfloat16 and not self.quantization.enabled
-                and bf16_weights and packing_supported(self.device, torch.float32)):
-            from backends.kernels import gemv_bf16
-            gemv = gemv_bf16()
-        self.bf16_weights = gemv is not None
-        # The dtype of activations and the rope tables.
-        self.compute_dtype = torch.float32 if self.bf16_weights else dtype
-        act = self.compute_dtype
-        # The KV cache keeps the model's dtype (as transformers and vLLM do):
-        # in the bf16-weights mode that is bf16, half the bytes decode
-        # attention reads, rounded when stored, widened when read.
-        self.kv_dtype = kv_dtype or (torch.bfloat16 if self.bf16_weights else act)
+            self.model = DecoderLM(self.config, self.ops, cos_table, sin_table)
         if self.quantization.enabled:
             from backends.quantization import load_quantized
-            load_quantized(self.model, loaded.weights, self.quantization, self.device, dtype)
-        elif self.bf16_weights:
-            # Every tensor rounded to bfloat16 first, then held in float32.
-            self.model.load_weights(
-                {name: t.to(torch.bfloat16) for name, t in loaded.weights.items()},
-                self.device, act)
+            load_quantized(self.model, loaded.weights, self.quantization, self.device, act)
         else:
-            self.model.load_weights(loaded.weights, self.device, dtype)
+            weights = loaded.weights
+            if plan.weight_dtype != plan.activation_dtype:
+                # Every tensor rounded to the weight dtype (bfloat16) first,
+                # then held in the activation dtype (float32).
+                weight_dtype = DTYPES[plan.weight_dtype]
+                weights = {name: t.to(weight_dtype) for name, t in weights.items()}
+            self.model.load_weights(weights, self.device, act)
         self.model.eval()
-        self.prepacked = prepack and packing_supported(self.device, act)
-        if self.bf16_weights:
-            n = bf16_weights_linears(self.model, gemv)
-            self.model.packed_lm_head = Bf16WeightLinear(self.model.lm_head_weight, None, gemv)
-            log.debug("%d linear layers hold bfloat16 weights (and a float32 copy)", n)
-        elif self.prepacked:
-            n = prepack_linears(self.model)
-            # The packed output projection is a second copy of the (often
-            # tied) embedding matrix: twice as fast, but quantized serving is
-            # about memory, so there it stays as it is.
-            if not self.quantization.enabled:
-                self.model.packed_lm_head = PackedLinear(self.model.lm_head_weight, None)
-            log.debug("oneDNN prepacked %d linear layers", n)
+        n = swap_linears(self.model, plan)
+        log.debug("%d linear layers as %s, output projection as %s", n, plan.linear,
+                  plan.lm_head)
 
         self.num_kv_blocks = num_kv_blocks or self._blocks_for_budget(kv_cache_bytes)
         num_slots = self.num_kv_blocks * block_size
@@ -123,20 +100,7 @@ class TorchBackend:
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.config.num_layers)]
-        self.decode_kernel = None
-        if (native_kernels and self.device.type == "cpu" and act == torch.float32
-                and self.kv_dtype in (torch.float32, torch.bfloat16)):
-            from backends.kernels import FusedOps, fused_ops, paged_decode_attention
-            kernel = paged_decode_attention()
-            c = self.config
-            if kernel is not None and kernel.supports(c.num_heads, c.num_kv_heads, c.head_dim):
-                self.decode_kernel = kernel
-            if kernel is not None and c.head_dim <= FusedOps.MAX_HEAD_DIM:
-                self.model.fused_ops = fused_ops()
-        positions = max_positions or self.config.max_position_embeddings
-        self.cos_table, self.sin_table = rope_table(self.config, positions, act, self.device)
-        if self.bf16_weights and self.decode_kernel is not None and self.model.fused_ops:
-            self.model.native_decode = self._native_decode()
+        self._whole_step = self._native_decode() if plan.whole_step_decode else None
 
         self._states: dict[str, _RequestState] = {}
         self._shared_generator = torch.Generator(device=self.device)
@@ -155,30 +119,41 @@ class TorchBackend:
                 qkv=layer.qkv_proj.weight_tiled, o=layer.o_proj.weight_tiled,
                 gate_up=layer.gate_up_proj.weight_tiled, down=layer.down_proj.weight_tiled,
                 k_cache=k, v_cache=v, qkv_bias=layer.qkv_proj.bias,
-                q_norm=getattr(layer, "q_norm", None), k_norm=getattr(layer, "k_norm", None))
+                q_norm=layer.q_norm, k_norm=layer.k_norm)
             for layer, (k, v) in zip(m.layers, self.kv_caches)]
         return decode_bf16(
-            hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+            self.plan.kernels, hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=self.block_size,
-            eps=c.rms_norm_eps, cos_table=self.cos_table, sin_table=self.sin_table,
+            eps=c.rms_norm_eps, cos_table=m.cos_table, sin_table=m.sin_table,
             final_norm=m.norm, layers=layers)
+
+    @property
+    def bf16_weights(self) -> bool:
+        return self.plan.bf16_weights
 
     @property
     def num_parameters(self) -> int:
         """The trained model's parameter count, whatever the storage: linear
         layers (plain, prepacked, bf16-tiled or quantized, all with
         in/out_features) by their shape, everything else by its parameters;
-        the prepacked output projection is a copy and not counted."""
+        a tied output projection is the embedding and counted once."""
+        linears = [m for m in self.model.modules()
+                   if hasattr(m, "in_features") and hasattr(m, "out_features")]
+        if self.config.tie_word_embeddings:
+            linears = [m for m in linears if m is not self.model.lm_head]
         total = 0
-        for module in self.model.layers.modules():
-            if hasattr(module, "in_features") and hasattr(module, "out_features"):
-                bias = getattr(module, "bias", None)
-                total += module.in_features * module.out_features
-                total += bias.numel() if bias is not None else 0
-        linear_params = {id(p) for m in self.model.layers.modules()
-                         if hasattr(m, "in_features") for p in m.parameters(recurse=False)}
+        for module in linears:
+            bias = getattr(module, "bias", None)
+            total += module.in_features * module.out_features
+            total += bias.numel() if bias is not None else 0
+        linear_params = {id(p) for m in linears for p in m.parameters(recurse=False)}
         return total + sum(p.numel() for p in self.model.parameters()
                            if id(p) not in linear_params)
+
+    @property
+    def weight_bytes(self) -> int:
+        from backends.quantization import resident_weight_bytes
+        return resident_weight_bytes(self.model)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -200,7 +175,7 @@ class TorchBackend:
         return int(blocks)
 
     def shutdown(self) -> None:
-        self.model.native_decode = None
+        self._whole_step = None
         self.kv_caches = []
         self._states.clear()
         if self.device.type == "cuda":
@@ -229,8 +204,13 @@ class TorchBackend:
         t1 = time.perf_counter()
         timings.prepare = t1 - t0
 
-        hidden = self.model(input_ids, positions, self.cos_table, self.sin_table,
-                            self.kv_caches, meta)
+        whole = self._whole_step
+        if (whole is not None and not meta.prefills
+                and meta.num_decode == input_ids.shape[0] <= whole.max_rows):
+            hidden = whole(self.model.embed_tokens(input_ids), positions, meta.slot_mapping,
+                           meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[logits_index])
         prompt_logprobs = self._prompt_logprobs(rows, hidden)
         t2 = time.perf_counter()
@@ -352,10 +332,9 @@ class TorchBackend:
                   for r in rows]
         meta.decode_blocks = torch.tensor(tables, dtype=torch.long).to(self.device)
         lens = torch.tensor(lengths, dtype=torch.long)
-        if self.decode_kernel is not None:
-            meta.decode_kernel = self.decode_kernel
-            meta.decode_lens = lens
-            meta.decode_max_len = max_len
+        meta.decode_lens = lens.to(self.device)
+        meta.decode_max_len = max_len
+        if self.plan.decode_attention != "torch-sdpa":
             return
         pos = torch.arange(max_blocks * bs)
         meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(

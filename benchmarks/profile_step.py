@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.interface import SamplingParams, ScheduledRequest, SchedulerOutput  # noqa: E402
 from backends.loader import load_model, resolve_model_path  # noqa: E402
-from backends.torch_backend import DTYPES, TorchBackend  # noqa: E402
+from backends.device import DTYPES  # noqa: E402
+from backends.execution import ExecutionOptions  # noqa: E402
+from backends.factory import BackendConfig, create_backend  # noqa: E402
 
 
 def main() -> None:
@@ -35,25 +37,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--no-kernels", action="store_true",
-                    help="torch attention path instead of the native decode kernel")
-    ap.add_argument("--no-prepack", action="store_true",
-                    help="keep plain nn.Linear (no oneDNN weight prepacking)")
-    ap.add_argument("--kv-dtype", default=None, choices=sorted(DTYPES),
-                    help="KV cache dtype (default: the backend's choice)")
+    ap.add_argument("--cpu-kind", default="auto",
+                    choices=["auto", "portable", "avx2", "avx512", "avx512_bf16"],
+                    help="run this CPU kind's path (backends/execution.py)")
+    ap.add_argument("--no-fast-paths", action="store_true",
+                    help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
-    loaded = load_model(resolve_model_path(args.model), dtype=dtype)
+    loaded = load_model(resolve_model_path(args.model), dtype=DTYPES[args.dtype])
     bs = args.block_size
     max_ctx = args.context + args.steps * 2 + 8
     blocks_per = -(-max_ctx // bs)
-    backend = TorchBackend(loaded, dtype=dtype, block_size=bs,
-                           num_kv_blocks=args.batch * blocks_per + 1,
-                           prepack=not args.no_prepack,
-                           native_kernels=not args.no_kernels,
-                           kv_dtype=DTYPES[args.kv_dtype] if args.kv_dtype else None)
+    backend = create_backend(loaded, BackendConfig(
+        dtype=args.dtype, block_size=bs, num_kv_blocks=args.batch * blocks_per + 1,
+        execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
+                                   cpu_kind=args.cpu_kind)))
+    print(f"plan: {backend.plan.describe()}")
     params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size

@@ -37,7 +37,8 @@ from backends.quantization import (GGUF_KEPT_TYPES, GROUP_SIZES, QuantizationErr
                                    QuantizationSpec, check_spec, resident_weight_bytes)
 from backends.quantization.ggml import GGUFBlocks  # noqa: E402
 from backends.tokenizer import Tokenizer  # noqa: E402
-from backends.torch_backend import DTYPES, TorchBackend  # noqa: E402
+from backends.factory import BackendConfig, create_backend  # noqa: E402
+from backends.torch_backend import TorchBackend  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.engine import EngineCore  # noqa: E402
 
@@ -135,8 +136,8 @@ def variants(modes: list[str], group_sizes: list[int] | None, dtype: str,
 
 
 def build_backend(sources: Sources, variant: Variant, num_kv_blocks: int) -> TorchBackend:
-    return TorchBackend(sources.loaded_for(variant.spec), dtype=DTYPES[variant.dtype],
-                        num_kv_blocks=num_kv_blocks, seed=0, quantization=variant.spec)
+    return create_backend(sources.loaded_for(variant.spec), BackendConfig(
+        dtype=variant.dtype, num_kv_blocks=num_kv_blocks, seed=0, quantization=variant.spec))
 
 
 # ----------------------------------------------------------------- quality
@@ -149,8 +150,7 @@ def next_token_logprobs(backend: TorchBackend, token_ids: list[int]) -> torch.Te
                            SamplingParams(max_tokens=1), 0)
     # The backend's own step preparation, so attention metadata stays its business.
     input_ids, positions, meta, _, _ = backend._prepare([row])
-    hidden = backend.model(input_ids, positions, backend.cos_table, backend.sin_table,
-                           backend.kv_caches, meta)
+    hidden = backend.model(input_ids, positions, backend.kv_caches, meta)
     return torch.log_softmax(backend.model.compute_logits(hidden[:-1]), dim=-1)
 
 

@@ -60,6 +60,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization-group-size", type=int, choices=[32, 64, 128],
                         default=int(_env("quantization_group_size", 128)),
                         help="int4 group size along the input dimension (default 128)")
+    parser.add_argument("--cpu-kind", default=_env("cpu_kind", "auto"),
+                        choices=["auto", "portable", "avx2", "avx512", "avx512_bf16"],
+                        help="run the path of this CPU kind (default: the CPU's own); a "
+                             "lower kind than the CPU offers can be forced, e.g. to check it")
+    parser.add_argument("--no-fast-paths", dest="fast_paths", action="store_false",
+                        default=_env("fast_paths", "1") not in ("0", "false", "no"),
+                        help="portable torch ops only: no native kernels, no oneDNN "
+                             "prepacking (the reference path; BATON_FAST_PATHS=0)")
 
 
 def _int_or_none(value):
@@ -77,6 +85,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
         scheduling_policy=ns.scheduling_policy,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
+        fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind,
         progress=sys.stderr.isatty(), **overrides)
 
 
@@ -111,7 +120,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_export(ns: argparse.Namespace) -> int:
     from backends.loader import load_model
     from backends.loader.export import export_hf_folder
-    from backends.torch_backend import DTYPES
+    from backends.device import DTYPES
 
     dtype = DTYPES[ns.dtype]
     loaded = load_model(ns.model, dtype=dtype, progress=sys.stderr.isatty())

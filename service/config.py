@@ -42,6 +42,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"      # fcfs | priority
     long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget
+    fast_paths: bool = True              # False: portable torch ops only (backends/execution.py)
+    cpu_kind: str = "auto"               # force a lower CPU kind: portable, avx2, avx512, avx512_bf16
 
 
 @dataclass(frozen=True, slots=True)

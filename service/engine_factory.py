@@ -10,13 +10,13 @@ import time
 import torch
 
 from backends.config import LoadedModel
-from backends.device import resolve_dtype
+from backends.device import DTYPES, resolve_dtype
 from backends.errors import ModelLoadError
+from backends.execution import ExecutionOptions
+from backends.factory import BackendConfig, create_backend
 from backends.loader import load_model, resolve_model_path
-from backends.quantization import (GGUF_KEPT_TYPES, QuantizationError, QuantizationSpec,
-                                   resident_weight_bytes)
+from backends.quantization import GGUF_KEPT_TYPES, QuantizationError, QuantizationSpec
 from backends.tokenizer import Tokenizer
-from backends.torch_backend import DTYPES, TorchBackend
 from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
 from service.config import EngineArgs
@@ -51,7 +51,8 @@ def _load(args: EngineArgs, quantization: QuantizationSpec) -> LoadedModel:
 
 
 def create_engine(args: EngineArgs) -> EngineCore:
-    args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device))
+    args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device,
+                                                         args.cpu_kind))
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -65,10 +66,11 @@ def create_engine(args: EngineArgs) -> EngineCore:
     loaded = _load(args, quantization)
     config = loaded.config
     wanted_len = args.max_model_len or config.max_position_embeddings
-    backend = TorchBackend(
-        loaded, device=args.device, dtype=DTYPES[args.dtype], block_size=args.block_size,
+    backend = create_backend(loaded, BackendConfig(
+        device=args.device, dtype=args.dtype, block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-        max_positions=wanted_len, seed=args.seed, quantization=quantization)
+        max_positions=wanted_len, seed=args.seed, quantization=quantization,
+        execution=ExecutionOptions(fast_paths=args.fast_paths, cpu_kind=args.cpu_kind)))
     loaded.weights.clear()
     # A lone request must always fit the pool, or it could never finish.
     max_model_len = min(wanted_len, backend.kv_capacity_tokens)
@@ -92,9 +94,7 @@ def create_engine(args: EngineArgs) -> EngineCore:
              "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, "
              "prefix caching %s, scheduling %s, %.1fs",
              loaded.source or config.name, backend.num_parameters / 1e6,
-             args.dtype + (" (bfloat16 weights and KV cache, float32 arithmetic: this CPU "
-                           "has no native bfloat16)" if getattr(backend, "bf16_weights", False) else ""),
-             quantization.describe(), resident_weight_bytes(backend.model) / 2**20,
+             args.dtype, quantization.describe(), backend.weight_bytes / 2**20,
              args.device, backend.kv_capacity_tokens, backend.num_kv_blocks,
              args.block_size, max_model_len, "on" if args.enable_prefix_caching else "off",
              args.scheduling_policy, time.perf_counter() - t0)

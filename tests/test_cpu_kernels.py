@@ -1,6 +1,10 @@
 """The CPU fast paths against the portable torch path they replace: the
 native paged decode-attention kernel against gather + SDPA, oneDNN-packed
-linears against F.linear, and a whole backend with both against one without."""
+linears against F.linear, and a whole backend with both against one without.
+
+Kernel tests run once per CPU kind this CPU can run (backends/execution.py:
+portable, avx2, avx512, avx512_bf16), each kind's own build; a kind the CPU
+lacks is skipped with its reason."""
 
 from __future__ import annotations
 
@@ -14,23 +18,45 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backends import kernels as native
+from backends.execution import CPU_KINDS, Availability, CpuFeatures, ExecutionOptions, make_plan
+from backends.factory import BackendConfig, create_backend, plan_for
 from backends.interface import SamplingParams, ScheduledRequest, SchedulerOutput
-from backends.kernels import paged_decode_attention
 from backends.linear import PackedLinear, packing_supported, prepack_linears
 from backends.loader import load_model
 from backends.torch_backend import TorchBackend
 
 ROOT = Path(__file__).resolve().parents[1]
+CPU = CpuFeatures.detect()
+
+
+def _kind_or_skip(kind: str) -> str:
+    if kind not in CPU.kinds:
+        pytest.skip(f"this CPU ({CPU.describe()}) cannot run the {kind} kernels")
+    lib, reason = native.load_with_reason(kind)
+    if lib is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the {kind} kernels did not build: {reason}")
+        pytest.skip(f"the {kind} kernels cannot be built here: {reason}")
+    return kind
+
+
+@pytest.fixture(scope="module", params=CPU_KINDS)
+def kind(request) -> str:
+    """Every CPU kind this CPU can run, each with its own kernel build."""
+    return _kind_or_skip(request.param)
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    k = paged_decode_attention()
-    if k is None:
-        if os.environ.get("CI"):
-            pytest.fail("the native kernel did not build (is a C compiler installed?)")
-        pytest.skip("no C compiler: the native kernel cannot be built here")
-    return k
+def kernel(kind):
+    return native.paged_decode_attention(kind)
+
+
+def test_each_kind_is_built_for_its_instruction_set(kind):
+    """The portable build has no AVX2 code; the others do (and the library a
+    process loads is chosen per kind at run time, never -march=native)."""
+    assert native.load(kind).baton_kernels_avx2() == (kind != "portable")
+    assert "-march=native" not in " ".join(f for fl in native.KIND_FLAGS.values() for f in fl)
 
 
 def _reference(q, k_cache, v_cache, tables, lens, bs, scale):
@@ -73,11 +99,10 @@ def test_kernel_matches_gather_and_sdpa(kernel, heads, kv_heads, head_dim, block
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_qkv_rope_store_into_a_bf16_cache_rounds_like_torch(kernel, qk_norm):
+def test_qkv_rope_store_into_a_bf16_cache_rounds_like_torch(kind, qk_norm):
     """Storing K/V into a bfloat16 cache gives exactly torch's round-to-
     nearest-even of what a float32 cache receives; q is unchanged."""
-    from backends.kernels import fused_ops
-    ops = fused_ops()
+    ops = native.fused_ops(kind)
     h, kvh, d, t = 6, 2, 32, 5
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen) * 3
@@ -102,15 +127,14 @@ def test_qkv_rope_store_into_a_bf16_cache_rounds_like_torch(kernel, qk_norm):
         assert b16[slots].abs().sum() > 0
 
 
-def test_silu_mul_matches_torch_over_the_whole_range(kernel):
+def test_silu_mul_matches_torch_over_the_whole_range(kind):
     """The kernels' own vectorised exp (no libmvec, no -ffast-math): silu
     agrees with torch's from far negative to far positive, NaN stays NaN."""
-    from backends.kernels import fused_ops
     gen = torch.Generator().manual_seed(2)
     gate = torch.cat([torch.linspace(-120, 120, 4001), torch.randn(999, generator=gen) * 4,
                       torch.tensor([float("nan"), 0.0, -0.0, 1e-40, -1e-40, 88.5, -88.5])])
     up = torch.randn(gate.shape[0], generator=gen)
-    out = fused_ops().silu_mul(torch.cat([gate, up])[None])
+    out = native.fused_ops(kind).silu_mul(torch.cat([gate, up])[None])
     ref = F.silu(gate) * up
     torch.testing.assert_close(out[0], ref, atol=1e-6, rtol=2e-6, equal_nan=True)
 
@@ -137,17 +161,13 @@ def test_kernel_ignores_slots_past_each_length(kernel):
 def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     """Without a C compiler the loader says why and returns None; it never raises."""
     code = ("import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.INFO); "
-            "import backends.kernels as k; print('LIB', k.load())")
+            "import backends.kernels as k; print('LIB', k.load_with_reason('portable'))")
     env = dict(os.environ, CC="/nonexistent/cc", BATON_KERNEL_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "LIB None" in out.stdout
+    assert "LIB (None" in out.stdout
     assert "no C compiler" in out.stdout
-    env = dict(os.environ, BATON_NATIVE_KERNELS="0", BATON_KERNEL_CACHE=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert "LIB None" in out.stdout and "disabled" in out.stdout
 
 
 _FP_STATE_PROBE = """
@@ -178,10 +198,11 @@ print("FP", json.dumps([before, fp_state()]))
 """
 
 
-def test_loading_the_kernels_leaves_the_fp_control_state_alone(kernel, tmp_path):
+def test_loading_the_kernels_leaves_the_fp_control_state_alone(tmp_path):
     """Building and loading the kernel library changes no floating-point
     control bits of the process (a library linked with -ffast-math would set
     flush-to-zero and denormals-are-zero for everything in it, torch included)."""
+    _kind_or_skip(CPU.kind)
     env = dict(os.environ, BATON_KERNEL_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", _FP_STATE_PROBE], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
@@ -190,25 +211,6 @@ def test_loading_the_kernels_leaves_the_fp_control_state_alone(kernel, tmp_path)
     before, after = json.loads(line[3:])
     assert before[1] == [True, True], "subnormals were flushed before the kernels loaded"
     assert after == before, f"the FP control state changed: {before} -> {after}"
-
-
-def test_portable_build_passes_the_same_tests(kernel, tmp_path):
-    """The C kernels' portable paths (no AVX2/FMA: other x86 CPUs, ARM) are
-    built with BATON_KERNEL_PORTABLE=1 and must pass this file's kernel and
-    bf16 tests too; on this machine they would otherwise never run."""
-    env = dict(os.environ, BATON_KERNEL_PORTABLE="1", BATON_KERNEL_CACHE=str(tmp_path))
-    probe = subprocess.run(
-        [sys.executable, "-c", "import backends.kernels as k; print('AVX2', k.load().baton_kernels_avx2())"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert probe.returncode == 0, probe.stderr
-    assert "AVX2 0" in probe.stdout
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "kernel_matches or ignores_slots or gemv or one_function or bf16_on_cpu "
-               "or rounds_like or silu_mul"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout
 
 
 @pytest.fixture(scope="module")
@@ -266,14 +268,24 @@ def _run(backend: TorchBackend, prompts: list[list[int]], steps: int):
     return ids_seen, logprobs_seen
 
 
+def _backend(path, dtype: str, fast_paths: bool = True, cpu_kind: str = "auto",
+             num_kv_blocks: int = 64) -> TorchBackend:
+    loaded = load_model(path, dtype=getattr(torch, dtype))
+    return create_backend(loaded, BackendConfig(
+        dtype=dtype, block_size=4, num_kv_blocks=num_kv_blocks,
+        execution=ExecutionOptions(fast_paths=fast_paths, cpu_kind=cpu_kind)))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_backend_fast_paths_agree_with_torch_path(kernel, packing, request, arch):
-    loaded = load_model(request.getfixturevalue(f"tiny_{arch}_dir"), dtype=torch.float32)
-    fast = TorchBackend(loaded, block_size=4, num_kv_blocks=64)
-    plain = TorchBackend(loaded, block_size=4, num_kv_blocks=64, prepack=False,
-                         native_kernels=False)
-    assert fast.prepacked and fast.decode_kernel is not None
-    assert not plain.prepacked and plain.decode_kernel is None
+def test_backend_fast_paths_agree_with_torch_path(kind, packing, request, arch):
+    """float32: each CPU kind's kernels and oneDNN against the torch ops."""
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    fast = _backend(path, "float32", cpu_kind=kind)
+    plain = _backend(path, "float32", fast_paths=False)
+    assert (fast.plan.kernels, fast.plan.linear, fast.plan.decode_attention) == (
+        kind, "onednn", "native")
+    assert (plain.plan.kernels, plain.plan.linear, plain.plan.decode_attention) == (
+        None, "torch", "torch-sdpa")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 6, 13, 4)]
     ids_fast, lp_fast = _run(fast, prompts, 10)
@@ -285,9 +297,8 @@ def test_backend_fast_paths_agree_with_torch_path(kernel, packing, request, arch
 # ------------------------------------------------------------ bfloat16 weights
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 77)])
-def test_bf16_gemv_matches_float32_matmul(kernel, rows, out_features, in_features):
-    from backends.kernels import gemv_bf16
-    gemv = gemv_bf16()
+def test_bf16_gemv_matches_float32_matmul(kind, rows, out_features, in_features):
+    gemv = native.gemv_bf16(kind)
     gen = torch.Generator().manual_seed(rows + out_features)
     w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=gen)
@@ -301,15 +312,14 @@ def test_bf16_gemv_matches_float32_matmul(kernel, rows, out_features, in_feature
         gemv(torch.randn(gemv.max_rows + 1, in_features), tiled, out_features)
 
 
-def test_bf16_weight_linear_is_one_function_of_the_rows(kernel, packing):
+def test_bf16_weight_linear_is_one_function_of_the_rows(kind, packing):
     """Small batches (bf16 gemv) and large ones (float32 copy) compute the
     same x @ W^T on W's bfloat16 values."""
-    from backends.kernels import gemv_bf16
     from backends.linear import Bf16WeightLinear
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(80, 48, generator=gen)
     b = torch.randn(80, generator=gen)
-    layer = Bf16WeightLinear(w, b, gemv_bf16())
+    layer = Bf16WeightLinear(w, b, native.gemv_bf16(kind))
     ref_w = w.to(torch.bfloat16).float()
     ref_b = b.to(torch.bfloat16).float()
     x = torch.randn(12, 48, generator=gen)
@@ -323,48 +333,47 @@ def test_bf16_weight_linear_is_one_function_of_the_rows(kernel, packing):
 class _CountingDecode:
     """Wraps a DecodeBf16 and records the rows of every call."""
 
-    def __init__(self, native) -> None:
-        self.native = native
-        self.max_rows = native.max_rows
+    def __init__(self, whole_step) -> None:
+        self.whole_step = whole_step
+        self.max_rows = whole_step.max_rows
         self.rows: list[int] = []
 
     def __call__(self, hidden, *args):
         self.rows.append(hidden.shape[0])
-        return self.native(hidden, *args)
+        return self.whole_step(hidden, *args)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_bf16_on_cpu_without_native_bf16_uses_bf16_weights(kernel, packing, request, arch):
-    """--dtype bfloat16 where oneDNN has no bf16 path: the model's bf16
-    weights and KV cache with float32 arithmetic, which is exactly a float32
-    model whose weights (and stored K/V) are rounded to bfloat16. Decode steps of up to four sequences
-    run as one native call (decode_bf16.c), more fall back to the layer by
-    layer path; both must agree with the reference."""
+def test_bf16_weights_mode_agrees_with_its_torch_path(request, arch):
+    """--dtype bfloat16 on a CPU without native bf16 (forced on CPUs with it,
+    so it runs on every kind): the model's bf16 weights and KV cache with
+    float32 arithmetic. With the fast paths (bf16 gemv, native ops, the
+    whole-step decode for up to four sequences) it must agree with the same
+    plan on the torch ops: a float32 model with bf16-rounded weights and a
+    bf16 KV cache."""
+    kind = _kind_or_skip("avx2")
     path = request.getfixturevalue(f"tiny_{arch}_dir")
-    native = packing_supported(torch.device("cpu"), torch.bfloat16)
-    default = TorchBackend(load_model(path, dtype=torch.bfloat16), dtype=torch.bfloat16,
-                           block_size=4, num_kv_blocks=8)
-    assert default.bf16_weights == (not native)
-    # Forced where the CPU has native bf16, so this path is tested on every kind.
-    bf16 = TorchBackend(load_model(path, dtype=torch.bfloat16), dtype=torch.bfloat16,
-                        block_size=4, num_kv_blocks=64, bf16_weights=True)
-    assert bf16.bf16_weights and bf16.compute_dtype == torch.float32
-    assert bf16.model.fused_ops is not None and bf16.decode_kernel is not None
-    # The KV cache keeps the model's dtype, bf16; the reference stores its
-    # float32 K/V into a bf16 cache too (torch's rounding).
-    assert bf16.kv_dtype == torch.bfloat16 and bf16.kv_caches[0][0].dtype == torch.bfloat16
-    rounded = load_model(path, dtype=torch.float32)
-    rounded.weights = {k: v.to(torch.bfloat16).float() for k, v in rounded.weights.items()}
-    reference = TorchBackend(rounded, block_size=4, num_kv_blocks=64, prepack=False,
-                             native_kernels=False, kv_dtype=torch.bfloat16)
+    default = _backend(path, "bfloat16", num_kv_blocks=8)
+    assert default.bf16_weights == (not CPU.native_bf16)
+    fast = _backend(path, "bfloat16", cpu_kind=kind)
+    plan = fast.plan
+    assert plan.bf16_weights and (plan.activation_dtype, plan.kv_dtype) == ("float32",
+                                                                             "bfloat16")
+    assert (plan.linear, plan.kernels, plan.whole_step_decode) == ("bf16-gemv+onednn", kind, 4)
+    assert fast.kv_caches[0][0].dtype == torch.bfloat16
+    reference = _backend(path, "bfloat16", fast_paths=False, cpu_kind=kind)
+    ref_plan = reference.plan
+    assert (ref_plan.linear, ref_plan.kernels) == ("torch", None)
+    assert (ref_plan.activation_dtype, ref_plan.weight_dtype, ref_plan.kv_dtype) == (
+        plan.activation_dtype, plan.weight_dtype, plan.kv_dtype)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 3, 6, 2)]
-    counting = _CountingDecode(bf16.model.native_decode)
-    bf16.model.native_decode = counting
+    counting = _CountingDecode(fast._whole_step)
+    fast._whole_step = counting
     for n in (1, 3, 4, 5):
         rows = prompts[:n]
         counting.rows.clear()
-        ids_a, lp_a = _run(bf16, rows, 8)
+        ids_a, lp_a = _run(fast, rows, 8)
         ids_b, lp_b = _run(reference, rows, 8)
         assert ids_a == ids_b
         # Float32 summation order differs (~1e-7 relative); where a K/V value
@@ -375,6 +384,35 @@ def test_bf16_on_cpu_without_native_bf16_uses_bf16_weights(kernel, packing, requ
         # step of a lone one-token prompt (a decode at position 0).
         steps = 9 if n == 1 else 8
         assert counting.rows == ([n] * steps if n <= counting.max_rows else [])
+
+
+def test_numerics_do_not_depend_on_the_compiler(tiny_llama_dir):
+    """The bf16-weights plan without native kernels (no compiler) computes
+    what it computes with them: same dtypes, same tokens."""
+    cpu = CPU.limited_to("avx2") if "avx2" in CPU.kinds else CPU
+    fast = _backend(tiny_llama_dir, "bfloat16", cpu_kind=cpu.kind)
+    no_cc = make_plan("cpu", "bfloat16", "none", cpu,
+                      Availability(onednn_dtypes=frozenset(["float32"]), reason="no compiler"))
+    assert no_cc.kernels is None and no_cc.linear == "onednn-f32-copy"
+    assert (no_cc.activation_dtype, no_cc.weight_dtype, no_cc.kv_dtype) == (
+        fast.plan.activation_dtype, fast.plan.weight_dtype, fast.plan.kv_dtype)
+    slow = TorchBackend(load_model(tiny_llama_dir, dtype=torch.bfloat16), no_cc, block_size=4,
+                        num_kv_blocks=64)
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 2)]
+    ids_a, lp_a = _run(fast, prompts, 8)
+    ids_b, lp_b = _run(slow, prompts, 8)
+    assert ids_a == ids_b
+    torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-3, rtol=0)
+
+
+def test_plan_of_this_machine_is_logged_in_one_line(tiny_llama_dir, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="baton.backend"):
+        backend = _backend(tiny_llama_dir, "float32")
+    lines = [r.getMessage() for r in caplog.records if "execution plan" in r.getMessage()]
+    assert lines == [f"execution plan: {backend.plan.describe()}"]
+    assert backend.plan == plan_for(BackendConfig(dtype="float32"))
 
 
 def test_every_kernel_source_ships_in_the_package():

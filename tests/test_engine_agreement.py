@@ -1,6 +1,7 @@
 """Token-exact greedy agreement with Hugging Face transformers (float32) on
 tiny random-weight models, through the whole engine: batching, chunked
-prefill and preemption; logprobs within 1e-4."""
+prefill and preemption; logprobs within 1e-4; with the fast paths and with
+the portable torch ops."""
 
 from __future__ import annotations
 
@@ -56,10 +57,15 @@ SCENARIOS = {
 PREEMPTION_LENGTHS = (9, 17, 18, 20, 24)
 
 
+@pytest.mark.parametrize("fast_paths", [True, False], ids=["fast-paths", "torch-ops"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_matches_transformers(tiny_model_dir, scenario):
+def test_greedy_matches_transformers(tiny_model_dir, scenario, fast_paths):
+    """Both execution paths of this machine (backends/execution.py): the
+    CPU's native kernels and oneDNN, and the portable torch ops."""
     arch, path = tiny_model_dir
-    core = make_engine(path, **SCENARIOS[scenario])
+    core = make_engine(path, fast_paths=fast_paths, **SCENARIOS[scenario])
+    plan = core.backend.plan
+    assert (plan.kernels is not None) == (fast_paths and plan.device == "cpu"), plan
     lengths = PREEMPTION_LENGTHS if scenario == "preemption" else PROMPT_LENGTHS
     prompts = _prompts(core.vocab_size, seed=len(arch), lengths=lengths)
     ref = _reference(path, prompts)

@@ -1,14 +1,18 @@
 """Native CPU kernels: C sources built on first use and called through ctypes.
 
-The sources sit beside this file. The first process that needs a kernel
-compiles it with the system C compiler (``$CC``, else ``cc``) into a cache
-folder (``$BATON_KERNEL_CACHE``, else ``~/.cache/baton/kernels``), named by a
-hash of the source and flags, so later processes load it at once. OpenMP
-resolves to the libgomp torch has already loaded, so kernels share torch's
-thread pool. ctypes drops the GIL for the length of a call.
+The sources sit beside this file and are built once per CPU kind
+(backends/execution.py: portable, avx2, avx512, avx512_bf16), each with that
+kind's instruction-set flags and never -march=native, so the library a CPU
+loads is chosen at run time by what it can do (and a lower kind can be forced
+to test its path). The first process that needs a kind compiles it with the
+system C compiler (``$CC``, else ``cc``) into a cache folder
+(``$BATON_KERNEL_CACHE``, else ``~/.cache/baton/kernels``), named by a hash of
+the sources and flags, so later processes load it at once. OpenMP resolves to
+the libgomp torch has already loaded, so kernels share torch's thread pool.
+ctypes drops the GIL for the length of a call.
 
-Where no compiler is present, or ``BATON_NATIVE_KERNELS=0`` is set, ``load``
-returns None (the reason is logged once) and callers use their torch path.
+Where no compiler is present ``load`` returns None and says why; the
+execution plan then chooses the torch ops, with the same numerics.
 """
 
 from __future__ import annotations
@@ -32,16 +36,21 @@ log = logging.getLogger("baton.kernels")
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "paged_attention.c", "fused_ops.c", "gemv_bf16.c", "decode_bf16.c")]
 _HEADERS = [Path(__file__).with_name("kernels.h")]
-_FLAG_SETS = (
-    # No -ffast-math: linked with it, GCC adds crtfastmath, whose constructor
-    # sets flush-to-zero / denormals-are-zero for the whole process the moment
-    # the library loads. -fno-math-errno only lets sqrtf inline; the vector
-    # exp the kernels need is their own (kernels.h).
-    ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"],
-    ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"],
-)
+# No -ffast-math: linked with it, GCC adds crtfastmath, whose constructor
+# sets flush-to-zero / denormals-are-zero for the whole process the moment the
+# library loads. -fno-math-errno only lets sqrtf inline; the vector exp the
+# kernels need is their own (kernels.h).
+_BASE_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+KIND_FLAGS: dict[str, list[str]] = {
+    "portable": [],
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_bf16": [*_AVX512, "-mavx512bf16"],
+}
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -55,26 +64,13 @@ def cache_dir() -> Path:
     return Path(base) / "baton" / "kernels"
 
 
-def _cpu_signature() -> bytes:
-    """-march=native code runs only on CPUs like this one: a cache folder
-    shared between machines keeps one build per instruction set."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.encode()
-    except OSError:
-        pass
-    return platform.processor().encode()
-
-
 def _compile(sources: list[Path], flags: list[str]) -> Path:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} is not on PATH)")
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *_HEADERS])
                             + " ".join(flags).encode()
-                            + platform.machine().encode() + _cpu_signature()).hexdigest()[:16]
+                            + platform.machine().encode()).hexdigest()[:16]
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"baton-kernels-{digest}.so"
@@ -96,19 +92,15 @@ def _compile(sources: list[Path], flags: list[str]) -> Path:
     return target
 
 
-def _load() -> ctypes.CDLL:
-    errors = []
-    # BATON_KERNEL_PORTABLE=1 builds without -march=native: the portable C
-    # paths (what a CPU without AVX2/FMA, or a non-x86 one, runs), for tests.
-    portable = os.environ.get("BATON_KERNEL_PORTABLE") == "1"
-    for flags in _FLAG_SETS[1:] if portable else _FLAG_SETS:
-        try:
-            lib = ctypes.CDLL(str(_compile(_SOURCES, flags)))
-            break
-        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-            errors.append(str(exc))
-    else:
-        raise RuntimeError("; ".join(errors))
+def _load(kind: str) -> ctypes.CDLL:
+    if kind not in KIND_FLAGS:
+        raise ValueError(f"unknown CPU kind {kind!r}")
+    if kind != "portable" and platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"the {kind} kernels are x86-64 code")
+    try:
+        lib = ctypes.CDLL(str(_compile(_SOURCES, [*_BASE_FLAGS, *KIND_FLAGS[kind]])))
+    except OSError as exc:
+        raise RuntimeError(str(exc)) from exc
     fn = lib.baton_paged_decode_attention_f32
     fn.argtypes = [_p, _p, _p, ctypes.c_int, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64,
                    _i64, ctypes.c_float, ctypes.c_int]
@@ -130,21 +122,26 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library, built if needed; None when unavailable."""
+def load_with_reason(kind: str) -> tuple[ctypes.CDLL | None, str]:
+    """The kernel library of CPU ``kind``, built if needed, or None and why
+    not. The caller checks that this CPU can run ``kind``."""
     with _lock:
-        if "lib" in _state:
-            return _state["lib"]  # type: ignore[return-value]
-        lib = None
-        if os.environ.get("BATON_NATIVE_KERNELS", "1") == "0":
-            log.info("native kernels disabled by BATON_NATIVE_KERNELS=0")
-        else:
+        if kind not in _state:
             try:
-                lib = _load()
-            except RuntimeError as exc:
-                log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
-        _state["lib"] = lib
-        return lib
+                _state[kind] = (_load(kind), "")
+            except (RuntimeError, subprocess.SubprocessError) as exc:
+                log.warning("native CPU kernels (%s) unavailable, using the torch ops: %s",
+                            kind, exc)
+                _state[kind] = (None, str(exc))
+        return _state[kind]  # type: ignore[return-value]
+
+
+def load(kind: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library of ``kind`` (default: this CPU's own), or None."""
+    if kind is None:
+        from backends.execution import CpuFeatures
+        kind = CpuFeatures.detect().kind
+    return load_with_reason(kind)[0]
 
 
 def _kv_bf16(cache: torch.Tensor) -> int:
@@ -180,8 +177,8 @@ class PagedDecodeAttention:
         return out
 
 
-def paged_decode_attention() -> PagedDecodeAttention | None:
-    lib = load()
+def paged_decode_attention(kind: str | None = None) -> PagedDecodeAttention | None:
+    lib = load(kind)
     return None if lib is None else PagedDecodeAttention(lib)
 
 
@@ -234,8 +231,8 @@ class FusedOps:
         return q
 
 
-def fused_ops() -> FusedOps | None:
-    lib = load()
+def fused_ops(kind: str | None = None) -> FusedOps | None:
+    lib = load(kind)
     return None if lib is None else FusedOps(lib)
 
 
@@ -275,8 +272,8 @@ class GemvBf16:
         return y
 
 
-def gemv_bf16() -> GemvBf16 | None:
-    lib = load()
+def gemv_bf16(kind: str | None = None) -> GemvBf16 | None:
+    lib = load(kind)
     return None if lib is None else GemvBf16(lib)
 
 
@@ -367,6 +364,6 @@ class DecodeBf16:
         return out
 
 
-def decode_bf16(**kwargs) -> DecodeBf16 | None:
-    lib = load()
+def decode_bf16(kind: str | None = None, **kwargs) -> DecodeBf16 | None:
+    lib = load(kind)
     return None if lib is None else DecodeBf16(lib, **kwargs)

@@ -31,6 +31,7 @@ from backends.config import (
     TokenizerSpec,
 )
 from backends.errors import ModelLoadError, UnsupportedArchitectureError
+from backends.models.weight_spec import checkpoint_shapes
 from backends.loader.gguf_tokenizer import build_tokenizer_spec, field_value
 
 # general.architecture values Baton runs. Mistral GGUFs say "llama".
@@ -246,45 +247,13 @@ def _hf_name(gguf_name: str, num_layers: int, source: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the model needs, with its torch shape."""
-    c = config
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.norm.weight": (c.hidden_size,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-            p + "self_attn.q_proj.weight": (c.q_size, c.hidden_size),
-            p + "self_attn.k_proj.weight": (c.kv_size, c.hidden_size),
-            p + "self_attn.v_proj.weight": (c.kv_size, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, c.q_size),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        }
-        if c.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (c.q_size,),
-                       p + "self_attn.k_proj.bias": (c.kv_size,),
-                       p + "self_attn.v_proj.bias": (c.kv_size,)}
-        if c.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,),
-                       p + "self_attn.k_norm.weight": (c.head_dim,)}
-    return shapes
-
-
 def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     # GGUF lists dimensions fastest-first: [576, 49152] is a [49152, 576] matrix.
     return tuple(int(d) for d in reversed(tensor.shape))
 
 
 def _check_tensor_shapes(config: ModelConfig, tensors: Mapping[str, ReaderTensor], source: str) -> None:
-    expected = _expected_shapes(config)
+    expected = checkpoint_shapes(config)
     found = {_hf_name(name, config.num_layers, source): t
              for name, t in tensors.items() if name != _ROPE_FREQS}
     missing = sorted(set(expected) - set(found))

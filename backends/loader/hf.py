@@ -30,6 +30,7 @@ from backends.config import (
     TokenizerSpec,
 )
 from backends.errors import ModelLoadError, UnsupportedArchitectureError
+from backends.models.weight_spec import checkpoint_shapes
 
 _ARCH_BY_CLASS = {
     "LlamaForCausalLM": "llama",
@@ -257,41 +258,11 @@ def _read_safetensors(path: Path, names: list[str], dtype: torch.dtype,
     return out
 
 
-def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face parameter names and shapes a checkpoint for ``config`` holds."""
-    h, q, kv = config.hidden_size, config.q_size, config.kv_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        if config.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv,)
-        if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
-    return shapes
-
-
 def _validate_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
     if config.tie_word_embeddings:
         # Some tied checkpoints store the shared matrix twice; the model reuses embed_tokens.
         weights.pop("lm_head.weight", None)
-    expected = expected_weight_shapes(config)
+    expected = checkpoint_shapes(config)
     missing = [n for n in expected if n not in weights]
     misshaped = [f"{n} {tuple(weights[n].shape)} (expected {shape})"
                  for n, shape in expected.items()

@@ -2,10 +2,11 @@
 Face-named weights plus a swap of each layer's four linear modules.
 
 The model file never learns of it. Its own ``load_weights`` first checks names
-and shapes on the meta device (nothing is copied); then the projections
-(q/k/v fused, o, gate/up fused, down) become quantized modules built part by
-part, and every other tensor (embedding, norms, lm_head, q/k/v bias) is placed
-in the serving dtype exactly where ``load_weights`` would put it.
+and shapes on the meta device (nothing is copied); then the decoder layers'
+linear modules the weight spec lists (q/k/v fused, o, gate/up fused, down)
+become quantized modules built part by part, and every other tensor
+(embedding, norms, lm_head, the q/k/v bias of unquantized layers) is placed in
+the serving dtype where the spec puts it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from backends.config import ModelConfig
 from backends.errors import ModelLoadError
+from backends.models.weight_spec import layer_linears, weight_spec
 from backends.quantization import kernels
 from backends.quantization.ggml import BlockInt8Linear, GGUFBlocks, q4_to_int4, q8_0_to_int8
 from backends.quantization.int4 import Int4Linear, Int4Weights
@@ -28,15 +30,6 @@ from backends.quantization.int8 import Int8Linear
 from backends.quantization.spec import QuantizationSpec, check_spec
 
 log = logging.getLogger("baton.quantization")
-
-# Module of each decoder layer -> the Hugging Face projections fused into it,
-# in DecoderLM.load_weights' order.
-PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o_proj": ("self_attn.o_proj",),
-    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "down_proj": ("mlp.down_proj",),
-}
 
 
 def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: QuantizationSpec,
@@ -54,23 +47,28 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
                        torch.device("meta"), dtype)
 
     kinds: Counter = Counter()
-    for i, layer in enumerate(model.layers):
-        prefix = f"model.layers.{i}."
-        for module_name, parts in PROJECTIONS.items():
-            tensors = [weights[f"{prefix}{part}.weight"] for part in parts]
-            bias = None
-            if module_name == "qkv_proj" and config.attention_bias:
-                bias = torch.cat([weights[f"{prefix}{part}.bias"] for part in parts])
-            module = _projection(spec, tensors, bias, device, dtype)
-            kinds[type(module).__name__] += 1
-            setattr(layer, module_name, module)
+    linears = layer_linears(config)
+    for name, (weight, bias_spec) in linears.items():
+        tensors = [weights[source] for source in weight.sources]
+        bias = None
+        if bias_spec is not None:
+            bias = torch.cat([weights[source] for source in bias_spec.sources])
+        module = _projection(spec, tensors, bias, device, dtype)
+        kinds[type(module).__name__] += 1
+        model.set_submodule(name, module)
 
-    state = {path: weights[name].to(device=device, dtype=dtype).contiguous()
-             for path, name in _plain_tensor_names(config).items()}
+    swapped = {t.path for pair in linears.values() for t in pair if t is not None}
+    state = {}
+    for tensor in weight_spec(config):
+        if tensor.path not in swapped:
+            parts = [weights[source] for source in tensor.sources]
+            value = parts[0] if len(parts) == 1 else torch.cat(parts)
+            state[tensor.path] = value.to(device=device, dtype=dtype).contiguous()
     model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
     left = [name for name, t in chain(model.named_parameters(), model.named_buffers())
             if t.is_meta]
-    if left:  # DecoderLM grew a tensor this loader does not know of
+    if left:  # DecoderLM grew a tensor the weight spec does not list
         raise ModelLoadError(f"quantized load left tensors unset: {left[:5]}")
     log.info("quantization %s: projections as %s", spec.describe(),
              ", ".join(f"{n} x{c}" for n, c in sorted(kinds.items())))
@@ -138,20 +136,3 @@ def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torc
     if bias is not None:
         linear.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
     return linear
-
-
-def _plain_tensor_names(config: ModelConfig) -> dict[str, str]:
-    """Model state-dict name -> Hugging Face name of every tensor outside the
-    projections, as DecoderLM.load_weights places them. The check for meta
-    tensors left behind catches any drift from it."""
-    names = {"embed_tokens.weight": "model.embed_tokens.weight", "norm": "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        names["lm_head"] = "lm_head.weight"
-    for i in range(config.num_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        names[p + "input_norm"] = h + "input_layernorm.weight"
-        names[p + "post_attention_norm"] = h + "post_attention_layernorm.weight"
-        if config.qk_norm:
-            names[p + "q_norm"] = h + "self_attn.q_norm.weight"
-            names[p + "k_norm"] = h + "self_attn.k_norm.weight"
-    return names

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from backends.config import ModelConfig
 from backends.errors import ModelLoadError
+from backends.models.weight_spec import layer_linears
 
 MODES = ("none", "int8", "int4", "gguf")
 GROUP_SIZES = (32, 64, 128)
@@ -53,12 +54,11 @@ class QuantizationSpec:
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each quantized projection of a layer."""
-    c = config
-    return {"qkv_proj": (c.q_size + 2 * c.kv_size, c.hidden_size),
-            "o_proj": (c.hidden_size, c.q_size),
-            "gate_up_proj": (2 * c.intermediate_size, c.hidden_size),
-            "down_proj": (c.hidden_size, c.intermediate_size)}
+    """(out_features, in_features) of each linear module of a decoder layer
+    (the weight spec's, e.g. "qkv_proj")."""
+    return {weight.linear.partition(".")[2].partition(".")[2]: weight.shape
+            for weight, _bias in layer_linears(config).values()
+            if weight.linear.startswith("layers.0.")}
 
 
 def check_spec(spec: QuantizationSpec, config: ModelConfig) -> None:

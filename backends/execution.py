@@ -1,0 +1,240 @@
+"""How a model runs on this machine: one decision, made once, before loading.
+
+``make_plan`` is a pure function of the device, the serving dtype, the
+quantization, what the CPU can do and which kernels are available; the
+backend builds the model's ops and linear layers from the ``ExecutionPlan``
+it returns and logs ``plan.describe()`` in one line. Nothing else in the
+backend chooses an implementation.
+
+Two kinds of decision, kept apart on purpose:
+
+* numerics (activation dtype, the dtype weights are rounded to, the KV
+  cache dtype) depend only on the device, the dtype, the quantization and the
+  CPU kind, never on whether a compiler or oneDNN happens to be present;
+* implementations (native kernels of an ISA, oneDNN prepacked linears, the
+  portable torch ops) depend on availability too. They change speed and the
+  float summation order, nothing else.
+
+A CPU *kind* names what the hand-written kernels may use: ``portable``
+(plain C, any CPU), ``avx2`` (AVX2 + FMA), ``avx512`` (AVX-512 F/BW/VL/DQ),
+``avx512_bf16`` (plus AVX512_BF16: native bfloat16 arithmetic). AMX is not a
+kind: oneDNN uses it for bfloat16 matmuls when present. A lower kind can be
+forced (``ExecutionOptions.cpu_kind``) to run and test its path on a CPU that
+could do more; a kind the CPU cannot run is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backends.errors import ModelLoadError
+
+CPU_KINDS = ("portable", "avx2", "avx512", "avx512_bf16")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+QUANTIZED_LINEARS = ("int8", "int4", "gguf")
+
+
+class ExecutionError(ModelLoadError):
+    """An execution option this machine cannot honour (a CPU kind it lacks,
+    native kernels it cannot build)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFeatures:
+    """What the CPU offers, as far as Baton's choices go."""
+
+    avx2: bool = False          # with FMA
+    avx512: bool = False        # F, BW, VL, DQ
+    avx512_bf16: bool = False
+    amx_bf16: bool = False
+
+    @classmethod
+    def detect(cls) -> CpuFeatures:
+        import torch
+        try:
+            caps = torch.cpu.get_capabilities()
+        except (AttributeError, RuntimeError):  # older torch, or not x86
+            return cls()
+        avx512 = all(caps.get(k, False) for k in ("avx512_f", "avx512_bw", "avx512_vl",
+                                                   "avx512_dq"))
+        return cls(avx2=bool(caps.get("avx2") and caps.get("fma3")), avx512=avx512,
+                   avx512_bf16=avx512 and bool(caps.get("avx512_bf16")),
+                   amx_bf16=bool(caps.get("amx_bf16") and caps.get("amx_tile")))
+
+    @property
+    def kind(self) -> str:
+        """The highest CPU kind this CPU runs."""
+        if self.avx512_bf16:
+            return "avx512_bf16"
+        if self.avx512:
+            return "avx512"
+        return "avx2" if self.avx2 else "portable"
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Every kind this CPU can run, lowest first."""
+        return CPU_KINDS[:CPU_KINDS.index(self.kind) + 1]
+
+    def limited_to(self, kind: str) -> CpuFeatures:
+        """These features as a CPU of ``kind`` would have them."""
+        if kind not in CPU_KINDS:
+            raise ExecutionError(f"unknown CPU kind {kind!r}; one of {', '.join(CPU_KINDS)}")
+        if kind not in self.kinds:
+            raise ExecutionError(
+                f"this CPU cannot run the {kind} path (it offers up to {self.kind})")
+        rank = CPU_KINDS.index(kind)
+        return CpuFeatures(avx2=rank >= 1, avx512=rank >= 2, avx512_bf16=rank >= 3,
+                           amx_bf16=self.amx_bf16 and rank >= 3)
+
+    @property
+    def native_bf16(self) -> bool:
+        """bfloat16 arithmetic in hardware (else torch emulates it, several
+        times slower than float32)."""
+        return self.avx512_bf16 or self.amx_bf16
+
+    def describe(self) -> str:
+        return self.kind + ("+amx" if self.amx_bf16 else "")
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionOptions:
+    """User-facing choices (``baton serve --cpu-kind``, ``--no-fast-paths``).
+
+    ``fast_paths=False`` runs the portable torch ops everywhere (the
+    reference path: no native kernels, no oneDNN prepacking). ``cpu_kind``
+    forces a lower CPU kind than the one detected; "auto" takes the CPU's own.
+    """
+
+    fast_paths: bool = True
+    cpu_kind: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.cpu_kind != "auto" and self.cpu_kind not in CPU_KINDS:
+            raise ExecutionError(
+                f"unknown CPU kind {self.cpu_kind!r}; one of auto, {', '.join(CPU_KINDS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """What this process can run, probed once by the caller: the kinds of
+    native kernels that built and loaded, and the dtypes oneDNN runs a
+    prepacked linear in."""
+
+    native_kernels: frozenset[str] = frozenset()
+    onednn_dtypes: frozenset[str] = frozenset()
+    reason: str = ""  # why native kernels are missing, for the log
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionPlan:
+    """Which implementation each part of the model gets, and in which dtypes.
+
+    Numerics: ``activation_dtype`` (hidden states, the dtype of every
+    non-linear op), ``weight_dtype`` (the values the weights are rounded to:
+    "bfloat16" while activations are float32 is the bf16-weights mode of CPUs
+    without native bf16), ``kv_dtype``. Implementations: see ``describe``.
+    """
+
+    device: str
+    dtype: str
+    activation_dtype: str
+    weight_dtype: str
+    kv_dtype: str
+    cpu: str | None                  # the CPU kind the plan targets (None on CUDA)
+    quantization: str
+    linear: str                      # torch | onednn | bf16-gemv+onednn | onednn-f32-copy | int8 | int4 | gguf
+    lm_head: str                     # torch | onednn | bf16-gemv+onednn
+    kernels: str | None              # the native kernels' kind, None for the torch ops
+    norm: str                        # native | torch
+    rope_kv_store: str               # native | torch
+    decode_attention: str            # native | torch-sdpa
+    prefill_attention: str = "torch-sdpa"
+    activation: str = "torch"        # silu*up: native | torch
+    whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def bf16_weights(self) -> bool:
+        return self.weight_dtype == "bfloat16" and self.activation_dtype == "float32"
+
+    def describe(self) -> str:
+        """The plan in one log line."""
+        numerics = f"{self.activation_dtype} activations"
+        if self.weight_dtype != self.activation_dtype:
+            numerics += f", {self.weight_dtype} weights"
+        numerics += f", {self.kv_dtype} KV"
+        where = self.device + (f" ({self.cpu})" if self.cpu else "")
+        kernels = f"native {self.kernels}" if self.kernels else "none"
+        parts = [f"{self.dtype} on {where}: {numerics}",
+                 f"linear {self.linear}", f"lm_head {self.lm_head}",
+                 f"kernels {kernels}", f"norm {self.norm}", f"rope+kv {self.rope_kv_store}",
+                 f"decode attention {self.decode_attention}",
+                 f"prefill attention {self.prefill_attention}", f"silu {self.activation}"]
+        if self.whole_step_decode:
+            parts.append(f"whole-step decode <= {self.whole_step_decode} rows")
+        if self.quantization != "none":
+            parts.insert(1, f"quantization {self.quantization}")
+        return "; ".join(parts + list(self.notes))
+
+
+def make_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
+              available: Availability, options: ExecutionOptions = ExecutionOptions(),
+              ) -> ExecutionPlan:
+    """Decide how to run: pure, so a table of inputs -> plans is testable.
+
+    ``dtype`` is resolved already (no "auto"); ``cpu`` is the detected CPU
+    (``options.cpu_kind`` limits it here).
+    """
+    if dtype not in DTYPE_NAMES:
+        raise ExecutionError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+    if not device.startswith("cpu"):
+        return ExecutionPlan(
+            device=device, dtype=dtype, activation_dtype=dtype, weight_dtype=dtype,
+            kv_dtype=dtype, cpu=None, quantization=quantization,
+            linear=quantization if quantization in QUANTIZED_LINEARS else "torch",
+            lm_head="torch", kernels=None, norm="torch", rope_kv_store="torch",
+            decode_attention="torch-sdpa")
+    if options.cpu_kind != "auto":
+        cpu = cpu.limited_to(options.cpu_kind)
+    quantized = quantization in QUANTIZED_LINEARS
+
+    # Numerics: bfloat16 on a CPU without bf16 arithmetic keeps the bf16
+    # weights and KV cache and computes in float32 (as llama.cpp does there);
+    # torch would otherwise emulate every bf16 op, several times slower.
+    bf16_weights = dtype == "bfloat16" and not cpu.native_bf16 and not quantized
+    activation = "float32" if bf16_weights else dtype
+    kv = "bfloat16" if bf16_weights else activation
+
+    fast = options.fast_paths
+    kernels = cpu.kind if fast and cpu.kind in available.native_kernels else None
+    # The native kernels compute in float32 (bf16 KV caches and weights are
+    # widened on the fly).
+    native = kernels is not None and activation == "float32"
+    onednn = fast and activation in available.onednn_dtypes
+    if quantized:
+        linear = quantization
+    elif bf16_weights:
+        linear = ("bf16-gemv+onednn" if native and onednn else
+                  "onednn-f32-copy" if onednn else "torch")
+    else:
+        linear = "onednn" if onednn else "torch"
+    # The packed output projection is a second copy of the (often tied)
+    # embedding: twice as fast, but quantized serving is about memory.
+    if quantized or not onednn:
+        lm_head = "torch"
+    else:
+        lm_head = "bf16-gemv+onednn" if linear == "bf16-gemv+onednn" else "onednn"
+    notes = []
+    if fast and kernels is None and available.reason:
+        notes.append(f"no native kernels: {available.reason}")
+    return ExecutionPlan(
+        device=device, dtype=dtype, activation_dtype=activation,
+        weight_dtype="bfloat16" if bf16_weights else activation, kv_dtype=kv,
+        cpu=cpu.describe(), quantization=quantization, linear=linear, lm_head=lm_head,
+        kernels=kernels if native else None,
+        norm="native" if native else "torch",
+        rope_kv_store="native" if native else "torch",
+        decode_attention="native" if native else "torch-sdpa",
+        activation="native" if native else "torch",
+        whole_step_decode=4 if native and linear == "bf16-gemv+onednn" else 0,
+        notes=tuple(notes))

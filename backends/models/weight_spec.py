@@ -1,0 +1,108 @@
+"""The weights of a decoder architecture, written once.
+
+``weight_spec(config)`` lists every tensor the model holds: where it lives in
+``DecoderLM`` (``path``), which checkpoint tensors (Hugging Face names) it is
+made of, concatenated along the first dimension (q, k and v into one
+projection; gate and up into another), and their shapes. Both loaders check a
+checkpoint against it, ``DecoderLM.load_weights`` places tensors by it, and
+quantization finds the projections it may replace by it.
+
+Linear layers are marked (``linear``): their weight and bias are what a
+transform may swap for another module (prepacked, quantized, sharded).
+A new architecture option (extra norms, biases) adds entries here and the
+module attributes they name; nothing else needs to learn the names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backends.config import ModelConfig
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTensor:
+    """One tensor of the model.
+
+    ``path``: its dotted name in the model ("layers.0.qkv_proj.weight").
+    ``sources``: the checkpoint tensors it is made of, in order, concatenated
+    along dim 0; ``source_shapes`` their shapes. ``linear``: the dotted name
+    of the linear module it belongs to (weight or bias), else None.
+    """
+
+    path: str
+    sources: tuple[str, ...]
+    source_shapes: tuple[Shape, ...]
+    linear: str | None = None
+
+    @property
+    def shape(self) -> Shape:
+        first = self.source_shapes[0]
+        return (sum(s[0] for s in self.source_shapes), *first[1:])
+
+    @property
+    def module(self) -> str:
+        return self.path.rpartition(".")[0]
+
+    @property
+    def attr(self) -> str:
+        return self.path.rpartition(".")[2]
+
+
+def _t(path: str, *sources: tuple[str, Shape], linear: bool = False) -> ModelTensor:
+    return ModelTensor(path, tuple(n for n, _ in sources), tuple(s for _, s in sources),
+                       path.rpartition(".")[0] if linear else None)
+
+
+def weight_spec(config: ModelConfig) -> list[ModelTensor]:
+    """Every tensor of a Llama / Mistral / Qwen2 / Qwen3 decoder for ``config``."""
+    c = config
+    h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    spec = [_t("embed_tokens.weight", ("model.embed_tokens.weight", (c.vocab_size, h))),
+            _t("norm", ("model.norm.weight", (h,)))]
+    if not c.tie_word_embeddings:
+        spec.append(_t("lm_head.weight", ("lm_head.weight", (c.vocab_size, h)), linear=True))
+    for i in range(c.num_layers):
+        L, P = f"layers.{i}.", f"model.layers.{i}."
+        attn, mlp = P + "self_attn.", P + "mlp."
+        spec += [
+            _t(L + "input_norm", (P + "input_layernorm.weight", (h,))),
+            _t(L + "qkv_proj.weight", (attn + "q_proj.weight", (q, h)),
+               (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h)),
+               linear=True),
+        ]
+        if c.attention_bias:
+            spec.append(_t(L + "qkv_proj.bias", (attn + "q_proj.bias", (q,)),
+                           (attn + "k_proj.bias", (kv,)), (attn + "v_proj.bias", (kv,)),
+                           linear=True))
+        if c.qk_norm:
+            spec += [_t(L + "q_norm", (attn + "q_norm.weight", (c.head_dim,))),
+                     _t(L + "k_norm", (attn + "k_norm.weight", (c.head_dim,)))]
+        spec += [
+            _t(L + "o_proj.weight", (attn + "o_proj.weight", (h, q)), linear=True),
+            _t(L + "post_attention_norm", (P + "post_attention_layernorm.weight", (h,))),
+            _t(L + "gate_up_proj.weight", (mlp + "gate_proj.weight", (inter, h)),
+               (mlp + "up_proj.weight", (inter, h)), linear=True),
+            _t(L + "down_proj.weight", (mlp + "down_proj.weight", (h, inter)), linear=True),
+        ]
+    return spec
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, Shape]:
+    """Checkpoint (Hugging Face) tensor name -> shape, for every tensor a
+    checkpoint of ``config`` holds (a tied output projection is not one)."""
+    return {name: shape for t in weight_spec(config)
+            for name, shape in zip(t.sources, t.source_shapes)}
+
+
+def layer_linears(config: ModelConfig) -> dict[str, tuple[ModelTensor, ModelTensor | None]]:
+    """The decoder layers' linear modules (dotted name -> (weight, bias or
+    None)), in layer order: what weight-only quantization replaces."""
+    out: dict[str, list] = {}
+    for t in weight_spec(config):
+        if t.linear and t.linear.startswith("layers."):
+            entry = out.setdefault(t.linear, [None, None])
+            entry[0 if t.attr == "weight" else 1] = t
+    return {name: (w, b) for name, (w, b) in out.items()}

@@ -1,0 +1,108 @@
+"""The steps of a decoder layer that are not linear layers, with one
+implementation each chosen by the execution plan. ``ModelOps`` is what the
+model calls; ``build_ops(plan)`` decides what runs.
+
+  add_rms_norm    residual += delta (in place; no delta before the first
+                  layer), then RMSNorm(residual) * w
+  qkv_rope_store  split q/k/v, optional per-head q/k RMSNorm, rotary
+                  embedding, K and V written into their cache slots; returns q
+  attention       paged attention of q over the cache (decodes, prefills)
+  silu_mul        silu(gate) * up
+
+The torch implementations run on any device and dtype and are the reference;
+the native ones (backends/kernels) compute in float32 on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from backends.attention import paged_attention, write_kv
+from backends.rope import apply_rope
+
+
+class QKVShape(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOps:
+    """One implementation per step; ``names`` says which, for the plan's log."""
+
+    add_rms_norm: Callable[..., torch.Tensor]
+    qkv_rope_store: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+    name: str = "torch"
+
+
+# ------------------------------------------------------------------ torch
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Variance in float32, then back to the input dtype before the weight, as
+    # the reference implementation does; this order matters for bf16 parity.
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    if delta is not None:
+        residual.add_(delta)
+    return rms_norm(residual, weight, eps)
+
+
+def qkv_rope_store(qkv: torch.Tensor, shape: QKVShape, positions: torch.Tensor,
+                   cos_table: torch.Tensor, sin_table: torch.Tensor,
+                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> torch.Tensor:
+    h, kvh, d = shape
+    t = qkv.shape[0]
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q = q.reshape(t, h, d)
+    k = k.reshape(t, kvh, d)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+        k = rms_norm(k, k_norm, eps)
+    cos, sin = cos_table[positions], sin_table[positions]
+    write_kv(k_cache, v_cache, apply_rope(k, cos, sin), v.reshape(t, kvh, d), slot_mapping)
+    return apply_rope(q, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+TORCH_OPS = ModelOps(add_rms_norm, qkv_rope_store, paged_attention, silu_mul, "torch")
+
+
+# ----------------------------------------------------------------- native
+def native_cpu_ops(kind: str) -> ModelOps:
+    """The C kernels of CPU kind ``kind``: float32 activations, a float32 or
+    bfloat16 KV cache. Prefill attention stays on torch's SDPA."""
+    from backends.kernels import fused_ops, paged_decode_attention
+    fused = fused_ops(kind)
+    decode = paged_decode_attention(kind)
+    if fused is None or decode is None:
+        raise RuntimeError("the native kernels were planned but did not load")
+
+    def norm(residual, delta, weight, eps):
+        return fused.rms_norm(residual, weight, eps, delta)
+
+    def rope_store(qkv, shape, positions, cos_table, sin_table, q_norm, k_norm, eps,
+                   slot_mapping, k_cache, v_cache):
+        return fused.qkv_rope_store(qkv, *shape, positions, cos_table, sin_table, q_norm,
+                                    k_norm, eps, slot_mapping, k_cache, v_cache)
+
+    return ModelOps(norm, rope_store, partial(paged_attention, decode_kernel=decode),
+                    fused.silu_mul, f"native-{kind}")

@@ -1,0 +1,114 @@
+"""The execution plan is a pure function: a table of machines and requests
+against the plan each one must get. Numerics never depend on what happens to
+be available (a compiler, oneDNN); implementations do."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.execution import (Availability, CpuFeatures, ExecutionError, ExecutionOptions,
+                                make_plan)
+
+AVX2 = CpuFeatures(avx2=True)
+AVX512 = CpuFeatures(avx2=True, avx512=True)
+AMX = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True, amx_bf16=True)
+ALL = Availability(native_kernels=frozenset({"portable", "avx2", "avx512", "avx512_bf16"}),
+                   onednn_dtypes=frozenset({"float32", "bfloat16"}))
+F32_ONEDNN = Availability(native_kernels=ALL.native_kernels, onednn_dtypes=frozenset({"float32"}))
+NO_CC = Availability(onednn_dtypes=frozenset({"float32"}), reason="no C compiler")
+OFF = ExecutionOptions(fast_paths=False)
+
+# (id, device, dtype, quantization, cpu, available, options) ->
+#   (activation, weights, kv, linear, lm_head, kernels, decode attention, whole step)
+TABLE = [
+    ("avx2-f32", "cpu", "float32", "none", AVX2, F32_ONEDNN, ExecutionOptions(),
+     ("float32", "float32", "float32", "onednn", "onednn", "avx2", "native", 0)),
+    ("avx2-bf16", "cpu", "bfloat16", "none", AVX2, F32_ONEDNN, ExecutionOptions(),
+     ("float32", "bfloat16", "bfloat16", "bf16-gemv+onednn", "bf16-gemv+onednn", "avx2",
+      "native", 4)),
+    ("avx2-bf16-no-compiler", "cpu", "bfloat16", "none", AVX2, NO_CC, ExecutionOptions(),
+     ("float32", "bfloat16", "bfloat16", "onednn-f32-copy", "onednn", None, "torch-sdpa", 0)),
+    ("avx2-bf16-fast-paths-off", "cpu", "bfloat16", "none", AVX2, ALL, OFF,
+     ("float32", "bfloat16", "bfloat16", "torch", "torch", None, "torch-sdpa", 0)),
+    ("amx-bf16", "cpu", "bfloat16", "none", AMX, ALL, ExecutionOptions(),
+     ("bfloat16", "bfloat16", "bfloat16", "onednn", "onednn", None, "torch-sdpa", 0)),
+    ("amx-f32", "cpu", "float32", "none", AMX, ALL, ExecutionOptions(),
+     ("float32", "float32", "float32", "onednn", "onednn", "avx512_bf16", "native", 0)),
+    ("amx-bf16-forced-avx2", "cpu", "bfloat16", "none", AMX, ALL,
+     ExecutionOptions(cpu_kind="avx2"),
+     ("float32", "bfloat16", "bfloat16", "bf16-gemv+onednn", "bf16-gemv+onednn", "avx2",
+      "native", 4)),
+    ("avx512-bf16", "cpu", "bfloat16", "none", AVX512, F32_ONEDNN, ExecutionOptions(),
+     ("float32", "bfloat16", "bfloat16", "bf16-gemv+onednn", "bf16-gemv+onednn", "avx512",
+      "native", 4)),
+    ("amx-forced-portable", "cpu", "float32", "none", AMX, ALL,
+     ExecutionOptions(cpu_kind="portable"),
+     ("float32", "float32", "float32", "onednn", "onednn", "portable", "native", 0)),
+    ("avx2-int8", "cpu", "float32", "int8", AVX2, F32_ONEDNN, ExecutionOptions(),
+     ("float32", "float32", "float32", "int8", "torch", "avx2", "native", 0)),
+    ("avx2-gguf-bf16", "cpu", "bfloat16", "gguf", AVX2, F32_ONEDNN, ExecutionOptions(),
+     ("bfloat16", "bfloat16", "bfloat16", "gguf", "torch", None, "torch-sdpa", 0)),
+    ("cuda-bf16", "cuda", "bfloat16", "none", CpuFeatures(), Availability(), ExecutionOptions(),
+     ("bfloat16", "bfloat16", "bfloat16", "torch", "torch", None, "torch-sdpa", 0)),
+    ("cuda-int4", "cuda:1", "bfloat16", "int4", AMX, ALL, ExecutionOptions(),
+     ("bfloat16", "bfloat16", "bfloat16", "int4", "torch", None, "torch-sdpa", 0)),
+]
+
+
+@pytest.mark.parametrize("case", TABLE, ids=[row[0] for row in TABLE])
+def test_plan_table(case):
+    _id, device, dtype, quant, cpu, available, options, expected = case
+    plan = make_plan(device, dtype, quant, cpu, available, options)
+    got = (plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, plan.linear, plan.lm_head,
+           plan.kernels, plan.decode_attention, plan.whole_step_decode)
+    assert got == expected
+    # The native ops come and go together; the plan never mixes their dtypes.
+    native = plan.kernels is not None
+    assert {plan.norm, plan.rope_kv_store, plan.activation} == {"native" if native else "torch"}
+    line = plan.describe()
+    assert "\n" not in line and dtype in line and plan.linear in line
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=["avx2", "avx512", "amx"])
+def test_numerics_do_not_depend_on_what_is_available(dtype, cpu):
+    """A compiler, oneDNN or the fast-path switch change implementations, never
+    the dtypes values are computed and stored in."""
+    plans = [make_plan("cpu", dtype, "none", cpu, available, options)
+             for available in (ALL, F32_ONEDNN, NO_CC, Availability())
+             for options in (ExecutionOptions(), OFF)]
+    numerics = {(p.activation_dtype, p.weight_dtype, p.kv_dtype) for p in plans}
+    assert len(numerics) == 1, numerics
+
+
+def test_a_kind_the_cpu_lacks_is_refused():
+    with pytest.raises(ExecutionError, match="cannot run the avx512_bf16 path"):
+        make_plan("cpu", "float32", "none", AVX2, ALL, ExecutionOptions(cpu_kind="avx512_bf16"))
+    with pytest.raises(ExecutionError, match="unknown CPU kind"):
+        ExecutionOptions(cpu_kind="sse9")
+
+
+def test_cpu_kinds_nest():
+    assert AMX.kinds == ("portable", "avx2", "avx512", "avx512_bf16")
+    assert AVX2.kinds == ("portable", "avx2")
+    assert AMX.limited_to("avx2") == AVX2
+    assert not AMX.limited_to("avx512").native_bf16 and AMX.native_bf16
+    assert CpuFeatures().kind == "portable"
+
+
+def test_detected_features_match_the_cpu_flags():
+    """torch's cpuinfo and /proc/cpuinfo agree on what this CPU offers."""
+    from pathlib import Path
+    cpu = CpuFeatures.detect()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to compare with")
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
+                  if line.startswith("flags")), None)
+    if flags is None:
+        pytest.skip("/proc/cpuinfo lists no x86 flags")
+    assert cpu.avx2 == ({"avx2", "fma"} <= flags)
+    assert cpu.avx512 == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
+    assert cpu.avx512_bf16 == (cpu.avx512 and "avx512_bf16" in flags)
+    assert cpu.amx_bf16 == ({"amx_bf16", "amx_tile"} <= flags)
