@@ -1,7 +1,7 @@
 """Load a GGUF file (llama.cpp's format) into a LoadedModel.
 
-Every tensor is dequantized on the host to the requested dtype and renamed to
-its Hugging Face name, so the model code never learns where weights came from
+Every tensor is dequantized on the host (in torch, backends/loader/gguf_dequant.py)
+to the requested dtype and renamed to its Hugging Face name, so the model code never learns where weights came from
 (the quantized backend may ask for some projection weights' raw blocks instead).
 Metadata is checked against the tensors before anything is dequantized: a file
 Baton cannot run exactly fails fast with ModelLoadError instead of loading into
@@ -13,13 +13,11 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import sys
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from backends.config import (
@@ -31,8 +29,12 @@ from backends.config import (
     TokenizerSpec,
 )
 from backends.errors import ModelLoadError, UnsupportedArchitectureError
+from backends.loader.gguf_dequant import dequantize as dequantize_tensor
+from backends.loader.gguf_file import GGUFTensor as ReaderTensor
+from backends.loader.gguf_file import read_gguf
 from backends.models.weight_spec import checkpoint_shapes
 from backends.loader.gguf_tokenizer import build_tokenizer_spec, field_value
+from backends.progress import Progress
 
 # general.architecture values Baton runs. Mistral GGUFs say "llama".
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -59,7 +61,6 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Per-dimension rotary frequency factors that llama.cpp writes for Llama 3.1+
 # instead of rope-scaling metadata; it becomes ModelConfig.rope_scaling.
 _ROPE_FREQS = "rope_freqs.weight"
-_GGUF_MAGIC = b"GGUF"
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -67,7 +68,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """Read a GGUF file: config, weights under Hugging Face names in ``dtype``,
     tokenizer and generation defaults.
 
-    ``progress`` shows a bar while dequantizing, if stderr is a terminal.
+    ``progress`` reports how far dequantizing has got (backends/progress.py).
     ``keep_quantized`` names GGML block types (e.g. "Q4_1") whose layer
     projection weights are handed through undecoded, as
     ``backends.quantization.ggml.GGUFBlocks``, for the quantized backend.
@@ -92,25 +93,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     )
 
 
-def _open(path: pathlib.Path) -> GGUFReader:
-    if not path.exists():
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: not a file")
-    try:
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read the file ({exc})") from exc
-    if magic != _GGUF_MAGIC:
-        raise ModelLoadError(
-            f"{path}: not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r})")
-    try:
-        return GGUFReader(path, "r")
-    except Exception as exc:  # gguf raises ValueError, IndexError, struct errors...
-        raise ModelLoadError(
-            f"{path}: the GGUF file is truncated or corrupt "
-            f"({type(exc).__name__}: {exc})") from exc
+def _open(path: pathlib.Path):
+    return read_gguf(path)
 
 
 # ------------------------------------------------------------------ config
@@ -272,9 +256,10 @@ def _check_tensor_shapes(config: ModelConfig, tensors: Mapping[str, ReaderTensor
                 f"the metadata implies {list(expected[name])}")
 
 
-def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_rotary_rows(weight, num_heads: int):
     """Undo llama.cpp's Q/K row order for Llama: within each head its converter
-    interleaves the two rotary halves; Hugging Face keeps them as halves."""
+    interleaves the two rotary halves; Hugging Face keeps them as halves.
+    Takes and gives a numpy array or a torch tensor."""
     rows = weight.shape[0]
     return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
             .swapaxes(1, 2).reshape(weight.shape))
@@ -284,35 +269,35 @@ def _read_weights(tensors: Iterable[ReaderTensor], config: ModelConfig, dtype: t
                   progress: bool, source: str,
                   keep_quantized: frozenset[str] = frozenset()) -> dict[str, Any]:
     items = [t for t in tensors if t.name != _ROPE_FREQS]
-    if progress and sys.stderr.isatty():
-        try:
-            from tqdm import tqdm
-            items = tqdm(items, desc="dequantizing GGUF", unit="tensor", file=sys.stderr)
-        except ImportError:  # the bar is a nicety, not a dependency
-            pass
+    progress_bar = Progress(f"reading {pathlib.Path(source).name}",
+                            sum(t.data.nbytes for t in items), "B", enabled=progress)
     # Only llama-architecture files were permuted by the converter; Qwen's were not.
     heads_by_part = ({"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
                      if config.architecture == "llama" else {})
     weights: dict[str, Any] = {}
-    for tensor in items:
-        if tensor.tensor_type.name in keep_quantized and _is_projection(tensor.name):
-            weights[_hf_name(tensor.name, config.num_layers, source)] = _raw_blocks(
-                tensor, heads_by_part)
-            continue
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-            array = np.asarray(array, dtype=np.float32).reshape(_torch_shape(tensor))
-        except (NotImplementedError, ValueError) as exc:
-            raise ModelLoadError(
-                f"{source}: cannot dequantize tensor {tensor.name} "
-                f"({tensor.tensor_type.name}): {exc}") from exc
-        part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        if part in heads_by_part:
-            array = _unpermute_rotary_rows(array, heads_by_part[part])
-        if not array.flags.writeable or not array.flags.c_contiguous:
-            array = np.array(array)  # own the memory; F32 tensors are views of the mmap
-        weights[_hf_name(tensor.name, config.num_layers, source)] = torch.from_numpy(array).to(dtype)
+    with progress_bar:
+        for tensor in items:
+            name = _hf_name(tensor.name, config.num_layers, source)
+            if tensor.tensor_type.name in keep_quantized and _is_projection(tensor.name):
+                weights[name] = _raw_blocks(tensor, heads_by_part)
+            else:
+                weights[name] = _dequantized(tensor, heads_by_part, dtype, source)
+            progress_bar.update(tensor.data.nbytes)
     return weights
+
+
+def _dequantized(tensor: ReaderTensor, heads_by_part: Mapping[str, int], dtype: torch.dtype,
+                 source: str) -> torch.Tensor:
+    try:
+        weight = dequantize_tensor(tensor.data, tensor.tensor_type, _torch_shape(tensor))
+    except (NotImplementedError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{source}: cannot dequantize tensor {tensor.name} "
+            f"({tensor.tensor_type.name}): {exc}") from exc
+    part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+    if part in heads_by_part:
+        weight = _unpermute_rotary_rows(weight, heads_by_part[part]).contiguous()
+    return weight.to(dtype)
 
 
 def _is_projection(gguf_name: str) -> bool:

@@ -76,11 +76,13 @@ def field_value(fields: Mapping[str, Any], key: str, default: Any = None) -> Any
     field = fields.get(key)
     if field is None:
         return default
-    return field.contents()
+    # gguf_file.read_gguf gives plain values; gguf-py's GGUFReader, ReaderFields.
+    return field.contents() if hasattr(field, "contents") else field
 
 
 def build_tokenizer_spec(fields: Mapping[str, Any], source: str = "GGUF file") -> TokenizerSpec:
-    """Build the tokenizer and its surroundings from a ``GGUFReader.fields`` mapping.
+    """Build the tokenizer and its surroundings from a GGUF file's metadata
+    (``GGUFFile.fields``, or gguf-py's ``GGUFReader.fields``).
 
     ``source`` names the file in error messages. Raises ModelLoadError when the
     metadata lacks a vocabulary or names a tokenizer model / pre-tokenizer this
