@@ -74,7 +74,10 @@ class GenerationDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
+    # A server-wide cap on output tokens (vLLM's reading of max_new_tokens).
+    max_new_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from aiohttp import web
 from backends.errors import InvalidRequestError
 from scheduler.async_engine import AsyncEngine
 from service.config import ServerConfig
+from service.cors import setup_cors
 from service.generation import respond_stream, respond_whole, start_run
 from service.observability import Observability
 from service.guards import check_api_key, install_malformed_request_filter, read_json_body
@@ -96,7 +97,8 @@ def _decode(body: bytes, type_):
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
+    if model is not None and model != state.model_name and \
+            model not in state.config.served_model_names:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                             f"{state.model_name!r}", param="model", code="model_not_found")
 
@@ -196,6 +198,9 @@ def _apply_default_max_tokens(cfg, engine: AsyncEngine, req, prepared) -> None:
         return
     room = engine.model.max_model_len - max(len(p) for p in prepared.prompts)
     max_tokens = max(1, min(cfg.default_max_tokens, room))
+    cap = engine.model.generation.max_new_tokens  # generation_config.json's, as in vLLM
+    if cap is not None:
+        max_tokens = min(max_tokens, cap)
     min_tokens = min(prepared.params.min_tokens, max_tokens)
     prepared.params = dataclasses.replace(prepared.params, max_tokens=max_tokens,
                                           min_tokens=min_tokens)
@@ -245,8 +250,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     max_len = state.engine.model.max_model_len if state.engine else None
-    return _json(ModelList([ModelCard(state.model_name, int(state.started),
-                                      max_model_len=max_len)]))
+    names = [state.model_name] + [n for n in state.config.served_model_names
+                                  if n != state.model_name]
+    return _json(ModelList([ModelCard(name, int(state.started), max_model_len=max_len)
+                            for name in names]))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -338,6 +345,7 @@ def create_app(state: ServerState) -> web.Application:
     app = web.Application(client_max_size=state.config.max_body_bytes,
                           middlewares=[error_middleware, auth_middleware])
     app[STATE] = state
+    setup_cors(app, state.config.allowed_origins)
 
     async def stop_preprocessing(_app: web.Application) -> None:
         state.preprocess_pool.shutdown(wait=False, cancel_futures=True)

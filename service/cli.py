@@ -1,84 +1,185 @@
-"""The `baton` command."""
+"""The `baton` command.
+
+Every flag has a one-line help that ends with its default and the BATON_*
+environment variable that sets it (`--max-num-seqs` <-> BATON_MAX_NUM_SEQS);
+a flag on the command line wins over the variable.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import uuid
 
 from backends.errors import BatonError
+from service.config import parse_bytes, parse_count
+
+MODEL_HELP = ("a Hugging Face model folder, a .gguf file, or a Hugging Face Hub id "
+              "(org/name; org/name:TAG picks the GGUF file whose name holds TAG)")
 
 
-def _env(name: str, default):
-    return os.environ.get(f"BATON_{name.upper()}", default)
+def _env_name(dest: str) -> str:
+    return f"BATON_{dest.upper()}"
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends '(default: X; env BATON_Y)' to every option's help. A help
+    text that already says its default (for defaults worth a sentence) keeps
+    its own wording."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        parts = []
+        if "default:" not in text:
+            default = action.default
+            if isinstance(default, (list, tuple)):
+                default = " ".join(map(str, default)) or "none"
+            parts.append(f"default: {'none' if default is None else default}")
+        env = getattr(action, "env_var", None)
+        if env:
+            parts.append(f"env {env}")
+        return f"{text} ({'; '.join(parts)})" if parts else text
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, default, help: str, *,
+          convert=None, env: bool = True, env_name: str | None = None,
+          **kwargs) -> argparse.Action:
+    """Add ``--name`` whose default comes from BATON_<NAME> (or ``env_name``)
+    when set; ``convert`` parses both the command-line value and the
+    variable's."""
+    dest = kwargs.get("dest") or name.lstrip("-").replace("-", "_")
+    variable = env_name or _env_name(dest)
+    if env:
+        raw = os.environ.get(variable)
+        if raw not in (None, ""):
+            if kwargs.get("action") in ("store_true", "store_false",
+                                        argparse.BooleanOptionalAction):
+                default = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif kwargs.get("nargs") in ("+", "*"):
+                default = _split_list(raw)
+            else:
+                try:
+                    default = convert(raw) if convert else raw
+                except (argparse.ArgumentTypeError, ValueError) as exc:
+                    parser.error(f"{variable}={raw!r}: {exc}")
+    if convert is not None:
+        kwargs["type"] = convert
+    action = parser.add_argument(*name.split(), default=default, help=help, **kwargs)
+    action.env_var = variable if env else None
+    return action
+
+
+def _split_list(raw: str) -> list[str]:
+    """A JSON list ('["a", "b"]', as vLLM takes), or words split on commas
+    and spaces."""
+    raw = raw.strip()
+    if raw.startswith("["):
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {raw!r} ({exc})") from None
+        return [str(v) for v in values]
+    return [part for part in raw.replace(",", " ").split() if part]
+
+
+def _count(text: str) -> int:
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text in ("", "none") else int(text)
+
+
+def _seconds_or_none(text: str) -> float | None:
+    return None if text in ("", "0", "none") else float(text)
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "--model", None, f"{MODEL_HELP}; the same as the MODEL argument "
+          f"(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    _flag(parser, "--revision", None, "Hub ids: the branch, tag or commit to fetch "
+          "(default: main)")
+    _flag(parser, "--download-dir", None, "Hub ids: the cache folder to download into and "
+          "load from (default: huggingface_hub's, HF_HOME/hub)")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=_env("model", None),
-                        help="Hugging Face model folder or .gguf file "
-                             "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=_env("dtype", "auto"),
-                        choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto: bfloat16 where the hardware has native bf16 "
-                             "(CUDA, AVX-512 BF16 / AMX CPUs), else float32")
-    parser.add_argument("--device", default=_env("device", "cpu"),
-                        help="cpu, cuda or cuda:N")
-    parser.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))
-    parser.add_argument("--kv-cache-memory", default=_env("kv_cache_memory", None),
-                        help="KV cache budget, e.g. 2GiB (default: 2GiB on CPU, "
-                             "the memory left after the weights on CUDA)")
-    parser.add_argument("--max-model-len", type=int,
-                        default=_int_or_none(_env("max_model_len", None)))
-    parser.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", 32)))
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=int(_env("max_num_batched_tokens", 512)))
-    parser.add_argument("--enable-prefix-caching", "--prefix-caching",
-                        dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
-                        default=_env("prefix_caching", "1").lower() not in ("0", "false", "no"),
-                        help="reuse the KV cache of prompt prefixes already computed (on by "
-                             "default; --no-prefix-caching turns it off)")
-    parser.add_argument("--scheduling-policy", default=_env("scheduling_policy", "fcfs"),
-                        choices=["fcfs", "priority"],
-                        help="fcfs: first come, first served; priority: by the request's "
-                             "priority field, lower first, ties by arrival")
-    parser.add_argument("--long-prefill-token-threshold", type=int,
-                        default=_int_or_none(_env("long_prefill_token_threshold", None)),
-                        help="prompts with more tokens than this left to compute are long: "
-                             "one at a time, and at most this many tokens per step until "
-                             "other requests have had theirs (default: a quarter of "
-                             "--max-num-batched-tokens)")
-    parser.add_argument("--threads", type=int, default=_int_or_none(_env("threads", None)),
-                        help="CPU threads for the model's math (default: torch's, one "
-                             "per core)")
-    parser.add_argument("--quantization", default=_env("quantization", "none"),
-                        choices=["none", "int8", "int4", "gguf"],
-                        help="weight-only quantization of the linear layers: int8 per "
-                             "channel, int4 in groups, or gguf (keep a GGUF file's Q8_0 / "
-                             "Q4_0 / Q4_1 blocks); see docs/quantization.md")
-    parser.add_argument("--quantization-group-size", type=int, choices=[32, 64, 128],
-                        default=int(_env("quantization_group_size", 128)),
-                        help="int4 group size along the input dimension (default 128)")
-    parser.add_argument("--cpu-kind", default=_env("cpu_kind", "auto"),
-                        choices=["auto", "portable", "avx2", "avx512", "avx512_bf16"],
-                        help="run the path of this CPU kind (default: the CPU's own); a "
-                             "lower kind than the CPU offers can be forced, e.g. to check it")
-    parser.add_argument("--no-fast-paths", dest="fast_paths", action="store_false",
-                        default=_env("fast_paths", "1") not in ("0", "false", "no"),
-                        help="portable torch ops only: no native kernels, no oneDNN "
-                             "prepacking (the reference path; BATON_FAST_PATHS=0)")
+    add_model_flags(parser)
+    _flag(parser, "--dtype", "auto", "float32, bfloat16, float16, or auto: bfloat16 where "
+          "the hardware has native bf16 (CUDA, AVX-512 BF16 / AMX CPUs), else float32",
+          choices=["auto", "float32", "bfloat16", "float16"])
+    _flag(parser, "--device", "cpu", "cpu, cuda or cuda:N")
+    _flag(parser, "--block-size", 16, "tokens per KV cache block", convert=int)
+    _flag(parser, "--kv-cache-memory", None, "KV cache budget, e.g. 2GiB or 512MiB "
+          "(default: 2GiB on CPU, the memory left after the weights on CUDA)",
+          convert=_bytes)
+    _flag(parser, "--max-model-len", None, "prompt + output limit in tokens; 32k = 32000, "
+          "32K = 32768 (default: the model's context, lowered to what the KV cache holds)",
+          convert=_count)
+    _flag(parser, "--max-num-seqs", 32, "requests decoded together in one step",
+          convert=_count)
+    _flag(parser, "--max-num-batched-tokens", 512, "per-step token budget (decode tokens "
+          "plus prefill chunks)", convert=_count)
+    _flag(parser, "--enable-prefix-caching --prefix-caching", True, "reuse the KV cache of "
+          "prompt prefixes already computed (--no-prefix-caching turns it off)",
+          dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+          env_name="BATON_PREFIX_CACHING")
+    _flag(parser, "--scheduling-policy", "fcfs", "fcfs: first come, first served; priority: "
+          "by the request's priority field, lower first, ties by arrival",
+          choices=["fcfs", "priority"])
+    _flag(parser, "--long-prefill-token-threshold", None, "prompts with more tokens than "
+          "this left to compute are long: one at a time, and at most this many tokens per "
+          "step until other requests have had theirs (default: a quarter of "
+          "--max-num-batched-tokens)", convert=_count)
+    _flag(parser, "--threads", None, "CPU threads for the model's math (default: torch's, "
+          "one per core)", convert=_optional_int)
+    _flag(parser, "--quantization", "none", "weight-only quantization of the linear "
+          "layers: int8 per channel, int4 in groups, or gguf (keep a GGUF file's Q8_0 / "
+          "Q4_0 / Q4_1 blocks); see docs/quantization.md",
+          choices=["none", "int8", "int4", "gguf"])
+    _flag(parser, "--quantization-group-size", 128, "int4 group size along the input "
+          "dimension", convert=int, choices=[32, 64, 128])
+    _flag(parser, "--cpu-kind", "auto", "run the path of this CPU kind (default: the CPU's "
+          "own); a lower kind than the CPU offers can be forced, e.g. to check it",
+          choices=["auto", "portable", "avx2", "avx512", "avx512_bf16"])
+    _flag(parser, "--no-fast-paths", True, "portable torch ops only: no native kernels, no "
+          "oneDNN prepacking (the reference path; BATON_FAST_PATHS=0; default: fast paths "
+          "on)", dest="fast_paths", action="store_false", env_name="BATON_FAST_PATHS")
+    _flag(parser, "--generation-config", "auto", "sampling defaults: auto (the model's "
+          "generation_config.json), vllm (none: the request's values, else OpenAI's), or "
+          "a folder holding a generation_config.json")
 
 
-def _int_or_none(value):
-    return None if value in (None, "") else int(value)
+def _model_from(ns: argparse.Namespace) -> None:
+    """MODEL as an argument or --model; both may be given only if they agree."""
+    positional = getattr(ns, "model_arg", None)
+    if positional is not None:
+        if ns.model is not None and ns.model != positional and \
+                ns.model != os.environ.get("BATON_MODEL"):
+            raise BatonError(f"two models given: {positional!r} and --model {ns.model!r}")
+        ns.model = positional
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides):
-    from service.config import EngineArgs, parse_bytes
+    from service.config import EngineArgs
     return EngineArgs(
         model=ns.model, dtype=ns.dtype, device=ns.device, block_size=ns.block_size,
-        kv_cache_memory=parse_bytes(ns.kv_cache_memory) if ns.kv_cache_memory else None,
+        kv_cache_memory=ns.kv_cache_memory,
         max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         quantization=ns.quantization, quantization_group_size=ns.quantization_group_size,
@@ -86,7 +187,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         scheduling_policy=ns.scheduling_policy,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind,
-        progress=sys.stderr.isatty(), **overrides)
+        revision=ns.revision, download_dir=ns.download_dir,
+        generation_config=ns.generation_config, progress=True, **overrides)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -123,126 +225,162 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from backends.device import DTYPES
 
     dtype = DTYPES[ns.dtype]
-    loaded = load_model(ns.model, dtype=dtype, progress=sys.stderr.isatty())
+    loaded = load_model(ns.model, dtype=dtype, progress=True, revision=ns.revision,
+                        download_dir=ns.download_dir)
     out = export_hf_folder(loaded, ns.output, dtype)
     logging.getLogger("baton").info("wrote %s", out)
     return 0
 
 
-def _float_or_none(value):
-    return None if value in (None, "", "0", 0) else float(value)
+def _api_key(ns: argparse.Namespace) -> str | None:
+    """--api-key / BATON_API_KEY, else the first line of --api-key-file (a
+    Docker or Kubernetes secret)."""
+    if ns.api_key:
+        return ns.api_key
+    if ns.api_key_file:
+        try:
+            with open(ns.api_key_file, encoding="utf-8") as handle:
+                key = handle.readline().strip()
+        except OSError as exc:
+            raise BatonError(f"--api-key-file {ns.api_key_file}: {exc}") from None
+        if not key:
+            raise BatonError(f"--api-key-file {ns.api_key_file} is empty")
+        return key
+    return None
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from service.config import ServerConfig, parse_bytes
+    from service.config import ServerConfig
     from service.serve import run_server
 
     config = ServerConfig(
-        host=ns.host, port=ns.port, served_model_name=ns.served_model_name,
-        api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
+        host=ns.host, port=ns.port, served_model_names=tuple(ns.served_model_name or ()),
+        api_key=_api_key(ns), max_waiting_requests=ns.max_waiting_requests,
         max_waiting_tokens=ns.max_waiting_tokens,
-        request_timeout=_float_or_none(ns.request_timeout), drain_timeout=ns.drain_timeout,
-        max_body_bytes=parse_bytes(ns.max_body_size),
+        request_timeout=ns.request_timeout, drain_timeout=ns.drain_timeout,
+        max_body_bytes=ns.max_body_size,
         default_max_tokens=ns.default_max_tokens,
         unhealthy_after_failed_steps=ns.unhealthy_after_failed_steps,
-        step_timeout=_float_or_none(ns.step_timeout),
+        step_timeout=ns.step_timeout,
         body_read_timeout=ns.body_read_timeout, max_connections=ns.max_connections,
         metrics_public=ns.metrics_public,
         trust_message_control_tokens=ns.trust_message_control_tokens,
         otlp_traces_endpoint=ns.otlp_traces_endpoint, trace_detail=ns.trace_detail,
-        log_prompts=ns.log_prompts)
+        log_prompts=ns.log_prompts, log_requests=not ns.disable_log_requests,
+        allowed_origins=tuple(ns.allowed_origins or ()))
     return run_server(engine_args_from(ns, seed=ns.seed), config)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference server")
+def _add_serve_flags(srv: argparse.ArgumentParser) -> None:
+    _flag(srv, "--host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    _flag(srv, "--port", 8000, "port to listen on", convert=int)
+    _flag(srv, "--served-model-name", None, "the model id(s) clients send as `model`; the "
+          "first is the one responses and metrics carry (default: the Hub id, folder name "
+          "or GGUF file name without its quantization tag)", nargs="+", metavar="NAME")
+    _flag(srv, "--api-key", None, "require Authorization: Bearer KEY on every route but "
+          "/health (and /metrics with --metrics-public)")
+    _flag(srv, "--api-key-file", None, "read the API key from this file's first line "
+          "(a Docker or Kubernetes secret); --api-key wins")
+    _flag(srv, "--allowed-origins", None, "CORS: browser origins allowed to call the API "
+          "(e.g. https://app.example.com, or * for any); several, comma-separated or a "
+          "JSON list (default: none, no CORS headers)", nargs="+", metavar="ORIGIN")
+    _flag(srv, "--max-waiting-requests", 256, "requests beyond this many waiting get 429",
+          convert=int)
+    _flag(srv, "--max-waiting-tokens", 262144, "prompt tokens beyond this many waiting get "
+          "429", convert=_count)
+    _flag(srv, "--request-timeout", "600", "seconds; a request past it ends with what it "
+          "has (default: 600, as long as OpenAI's SDK waits; 0: no limit)",
+          convert=_seconds_or_none)
+    _flag(srv, "--default-max-tokens", None, "max_tokens for requests that send none "
+          "(default: OpenAI's, 16 for completions and the rest of the context for chat)",
+          convert=_optional_int)
+    _flag(srv, "--drain-timeout", 30.0, "seconds to let in-flight requests finish on "
+          "SIGTERM", convert=float)
+    _flag(srv, "--max-body-size", "8MiB", "larger request bodies get 413", convert=_bytes)
+    _flag(srv, "--body-read-timeout", 60.0, "seconds for a request body to arrive; a slower "
+          "one gets 408", convert=float)
+    _flag(srv, "--max-connections", 1000, "open client connections; one more is refused "
+          "with 503", convert=int)
+    _flag(srv, "--metrics-public", False, "serve /metrics without the API key (for "
+          "scrapers)", action="store_true")
+    _flag(srv, "--trust-message-control-tokens", False, "let control-token text in chat "
+          "messages (<|im_end|> ...) act as control tokens; only for trusted clients",
+          action="store_true")
+    _flag(srv, "--unhealthy-after-failed-steps", 3, "/health answers 503 after this many "
+          "engine steps in a row failed for every request in them", convert=int)
+    _flag(srv, "--step-timeout", None, "seconds after which a backend step counts as hung: "
+          "it is abandoned and its requests run again without the one that hangs "
+          "(default: never)", convert=_seconds_or_none)
+    _flag(srv, "--seed", None, "seed of the sampler's generator for requests without a "
+          "seed (default: random)", convert=_optional_int)
+    _flag(srv, "--otlp-traces-endpoint", None, "OTLP endpoint for traces (OTEL_EXPORTER_"
+          "OTLP_* work too; default: none, tracing off unless those are set)")
+    _flag(srv, "--trace-detail", "request", "request: a span tree per request; step: also a "
+          "span per engine step, linked to the requests it served; none: no spans",
+          choices=["none", "request", "step"])
+    _flag(srv, "--log-prompts", False, "include prompts and outputs in request log lines",
+          action="store_true")
+    _flag(srv, "--disable-log-requests", False, "no log line per finished request",
+          action="store_true")
+    _flag(srv, "--log-format", "auto", "auto (JSON unless stderr is a terminal), json or "
+          "console", choices=["auto", "json", "console"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference server",
+                                     formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    add_engine_flags(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.set_defaults(func=cmd_generate)
-
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                         formatter_class=_HelpFormatter,
+                         description="Serve MODEL with the OpenAI-compatible HTTP API.")
+    srv.add_argument("model_arg", nargs="?", metavar="MODEL",
+                     help=f"{MODEL_HELP} (default: --model, else the embedded model)")
     add_engine_flags(srv)
-    srv.add_argument("--host", default=_env("host", "127.0.0.1"))
-    srv.add_argument("--port", type=int, default=int(_env("port", 8000)))
-    srv.add_argument("--served-model-name", default=_env("served_model_name", None),
-                     help="model id clients use (default: the model's own name)")
-    srv.add_argument("--api-key", default=_env("api_key", None),
-                     help="require Authorization: Bearer KEY on every route but /health "
-                          "(and /metrics with --metrics-public)")
-    srv.add_argument("--max-waiting-requests", type=int,
-                     default=int(_env("max_waiting_requests", 256)),
-                     help="requests beyond this many waiting get 429")
-    srv.add_argument("--max-waiting-tokens", type=int,
-                     default=int(_env("max_waiting_tokens", 262144)),
-                     help="prompt tokens beyond this many waiting get 429")
-    srv.add_argument("--request-timeout", default=_env("request_timeout", "600"),
-                     help="seconds; a request past it ends with what it has (default 600, "
-                          "as long as OpenAI's SDK waits; 0: no limit)")
-    srv.add_argument("--default-max-tokens", type=int,
-                     default=_int_or_none(_env("default_max_tokens", None)),
-                     help="max_tokens for requests that send none (default: OpenAI's, 16 "
-                          "for completions and the rest of the context for chat)")
-    srv.add_argument("--drain-timeout", type=float, default=float(_env("drain_timeout", 30)),
-                     help="seconds to let in-flight requests finish on SIGTERM")
-    srv.add_argument("--max-body-size", default=_env("max_body_size", "8MiB"))
-    srv.add_argument("--body-read-timeout", type=float,
-                     default=float(_env("body_read_timeout", 60)),
-                     help="seconds for a request body to arrive; a slower one gets 408")
-    srv.add_argument("--max-connections", type=int,
-                     default=int(_env("max_connections", 1000)),
-                     help="open client connections; one more is refused with 503")
-    srv.add_argument("--metrics-public", action="store_true",
-                     default=_env("metrics_public", "") in ("1", "true", "yes"),
-                     help="serve /metrics without the API key (for scrapers)")
-    srv.add_argument("--trust-message-control-tokens", action="store_true",
-                     default=_env("trust_message_control_tokens", "") in ("1", "true", "yes"),
-                     help="let control-token text in chat messages (<|im_end|> ...) act "
-                          "as control tokens; only for trusted clients")
-    srv.add_argument("--unhealthy-after-failed-steps", type=int,
-                     default=int(_env("unhealthy_after_failed_steps", 3)),
-                     help="/health answers 503 after this many engine steps in a row "
-                          "failed for every request in them")
-    srv.add_argument("--step-timeout", default=_env("step_timeout", None),
-                     help="seconds after which a backend step counts as hung: it is "
-                          "abandoned and its requests run again without the one that "
-                          "hangs (default: never)")
-    srv.add_argument("--seed", type=int, default=_int_or_none(_env("seed", None)))
-    srv.add_argument("--otlp-traces-endpoint", default=_env("otlp_traces_endpoint", None),
-                     help="OTLP endpoint for traces (OTEL_EXPORTER_OTLP_* work too); "
-                          "with none configured, tracing is off")
-    srv.add_argument("--trace-detail", default=_env("trace_detail", "request"),
-                     choices=["none", "request", "step"],
-                     help="request: a span tree per request; step: also a span per "
-                          "engine step, linked to the requests it served")
-    srv.add_argument("--log-prompts", action="store_true",
-                     default=_env("log_prompts", "") in ("1", "true", "yes"),
-                     help="include prompts and outputs in request log lines")
-    srv.add_argument("--log-format", default=_env("log_format", "auto"),
-                     choices=["auto", "json", "console"])
+    _add_serve_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
-    exp = sub.add_parser("export", help="write a model (e.g. a GGUF file) as a Hugging Face "
-                                        "folder, dequantized, for peers that need one")
-    exp.add_argument("--model", default=_env("model", None),
-                     help="Hugging Face folder or .gguf file (default: the embedded model)")
-    exp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    exp.add_argument("output", help="folder to write")
-    exp.set_defaults(func=cmd_export)
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",
+                         formatter_class=_HelpFormatter,
+                         description="Generate text from PROMPT with MODEL, without a server.")
+    gen.add_argument("model_arg", nargs="?", metavar="MODEL",
+                     help=f"{MODEL_HELP} (default: --model, else the embedded model)")
+    gen.add_argument("prompt", help="the prompt text")
+    add_engine_flags(gen)
+    _flag(gen, "--max-tokens", 128, "tokens to generate at most", convert=int, env=False)
+    _flag(gen, "--temperature", 0.0, "sampling temperature; 0 is greedy", convert=float,
+          env=False)
+    _flag(gen, "--top-p", 1.0, "nucleus sampling mass", convert=float, env=False)
+    _flag(gen, "--top-k", -1, "sample among the k likeliest tokens; -1: all", convert=int,
+          env=False)
+    _flag(gen, "--seed", None, "sampling seed (default: random)", convert=_optional_int,
+          env=False)
+    _flag(gen, "--chat", False, "apply the model's chat template to the prompt",
+          action="store_true", env=False)
+    gen.set_defaults(func=cmd_generate)
 
+    exp = sub.add_parser("export", help="write a model (e.g. a GGUF file) as a Hugging Face "
+                                        "folder, dequantized, for peers that need one",
+                         formatter_class=_HelpFormatter,
+                         description="Write MODEL as a Hugging Face folder OUTPUT.")
+    exp.add_argument("model_arg", nargs="?", metavar="MODEL",
+                     help=f"{MODEL_HELP} (default: --model, else the embedded model)")
+    exp.add_argument("output", help="folder to write")
+    add_model_flags(exp)
+    _flag(exp, "--dtype", "bfloat16", "dtype of the written weights",
+          choices=["float32", "bfloat16", "float16"], env=False)
+    exp.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     ns = parser.parse_args(argv)
     from telemetry.logs import configure_logging
     log_format = getattr(ns, "log_format", "auto")
     configure_logging(json=None if log_format == "auto" else log_format == "json")
     try:
+        _model_from(ns)
         return ns.func(ns)
     except BatonError as exc:
         print(f"baton: error: {exc}", file=sys.stderr)

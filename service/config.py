@@ -23,6 +23,27 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * _UNITS[(unit or "").lower()])
 
 
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*$")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_count(text: str | int) -> int:
+    """A token count as vLLM reads one: '32k' -> 32000, '32K' -> 32768,
+    '25.6k' -> 25600, '4096' -> 4096 (lower-case suffixes are powers of 1000,
+    upper-case powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    match = _COUNT.match(text)
+    if not match:
+        raise ValueError(f"not a count: {text!r} (try e.g. 4096, 32k or 32K)")
+    number, unit = match.groups()
+    value = float(number) * _COUNT_UNITS[unit]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number ({value:g})")
+    return int(value)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     model: str | None = None          # None: the embedded default
@@ -44,13 +65,18 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget
     fast_paths: bool = True              # False: portable torch ops only (backends/execution.py)
     cpu_kind: str = "auto"               # force a lower CPU kind: portable, avx2, avx512, avx512_bf16
+    revision: str | None = None          # Hub ids only: branch, tag or commit
+    download_dir: str | None = None      # Hub ids only: cache folder (None: HF's own)
+    generation_config: str = "auto"      # auto | vllm | folder with generation_config.json
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None   # None: the model's own name
+    # The first is the name responses and metrics carry; requests may use any.
+    # Empty: the model's own name.
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     max_waiting_requests: int = 256
     max_waiting_tokens: int = 262_144
@@ -70,6 +96,8 @@ class ServerConfig:
     otlp_traces_endpoint: str | None = None  # besides OTEL_EXPORTER_OTLP_* in the environment
     trace_detail: str = "request"            # none | request | step
     log_prompts: bool = False
+    log_requests: bool = True                # one log line per finished request
+    allowed_origins: tuple[str, ...] = ()    # CORS; empty: no CORS headers ("*": any)
 
     def fault_policy(self) -> FaultPolicy:
         return FaultPolicy(unhealthy_after_failed_steps=self.unhealthy_after_failed_steps,

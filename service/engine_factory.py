@@ -14,7 +14,10 @@ from backends.device import DTYPES, resolve_dtype
 from backends.errors import ModelLoadError
 from backends.execution import ExecutionOptions
 from backends.factory import BackendConfig, create_backend
-from backends.loader import load_model, resolve_model_path
+from backends.loader import load_model, resolve_model, resolve_model_path
+from backends.loader.generation_config import apply_generation_config, generation_config_file
+from backends.loader.hub import hub_repo_name, is_hub_id
+from backends.progress import heartbeat
 from backends.quantization import GGUF_KEPT_TYPES, QuantizationError, QuantizationSpec
 from backends.tokenizer import Tokenizer
 from scheduler.config import SchedulerConfig
@@ -28,19 +31,21 @@ _QUANT_SUFFIX = re.compile(r"[.-](?:[QqIi][QqKk]?\d[\w]*|[Ff](?:16|32)|[Bb][Ff]1
 
 
 def model_name_for(model: str | None) -> str:
-    """The id clients see: the folder name, or the GGUF file name without its
-    quantization tag (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct)."""
+    """The id clients see: a Hub id as given (without a :TAG), the folder
+    name, or the GGUF file name without its quantization tag
+    (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct)."""
+    if model is not None and is_hub_id(str(model)):
+        return hub_repo_name(str(model))
     path = resolve_model_path(model)
     if path.is_dir():
         return path.resolve().name
     return _QUANT_SUFFIX.sub("", path.stem)
 
 
-def _load(args: EngineArgs, quantization: QuantizationSpec) -> LoadedModel:
+def _load(args: EngineArgs, path, quantization: QuantizationSpec) -> LoadedModel:
     dtype = DTYPES[args.dtype]
     if quantization.mode != "gguf":
-        return load_model(args.model, dtype=dtype, progress=args.progress)
-    path = resolve_model_path(args.model)
+        return load_model(path, dtype=dtype, progress=args.progress)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise QuantizationError(
             f"--quantization gguf keeps a GGUF file's quantized blocks, but {str(path)!r} "
@@ -62,15 +67,20 @@ def create_engine(args: EngineArgs) -> EngineCore:
             raise ValueError(f"threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     quantization = QuantizationSpec(args.quantization, args.quantization_group_size)
+    generation_config_file(args.generation_config)  # a bad path fails before the load
+    path = resolve_model(args.model, args.revision, args.download_dir, args.progress)
     t0 = time.perf_counter()
-    loaded = _load(args, quantization)
+    loaded = _load(args, path, quantization)
+    generation = apply_generation_config(args.generation_config, loaded.generation)
     config = loaded.config
     wanted_len = args.max_model_len or config.max_position_embeddings
-    backend = create_backend(loaded, BackendConfig(
-        device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-        max_positions=wanted_len, seed=args.seed, quantization=quantization,
-        execution=ExecutionOptions(fast_paths=args.fast_paths, cpu_kind=args.cpu_kind)))
+    with heartbeat(f"building the {args.device} backend ({quantization.describe()})",
+                   enabled=args.progress):
+        backend = create_backend(loaded, BackendConfig(
+            device=args.device, dtype=args.dtype, block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+            max_positions=wanted_len, seed=args.seed, quantization=quantization,
+            execution=ExecutionOptions(fast_paths=args.fast_paths, cpu_kind=args.cpu_kind)))
     loaded.weights.clear()
     # A lone request must always fit the pool, or it could never finish.
     max_model_len = min(wanted_len, backend.kv_capacity_tokens)
@@ -78,7 +88,7 @@ def create_engine(args: EngineArgs) -> EngineCore:
         log.warning("max_model_len lowered from %d to %d to fit the KV cache",
                     wanted_len, max_model_len)
     tokenizer = Tokenizer(loaded.tokenizer)
-    eos = loaded.generation.eos_token_ids or (
+    eos = generation.eos_token_ids or (
         (loaded.tokenizer.eos_token_id,) if loaded.tokenizer.eos_token_id is not None else ())
     core = EngineCore(
         backend, tokenizer,
@@ -89,7 +99,7 @@ def create_engine(args: EngineArgs) -> EngineCore:
                         long_prefill_token_threshold=args.long_prefill_token_threshold),
         vocab_size=config.vocab_size, eos_token_ids=tuple(eos),
         model_name=model_name_for(args.model),
-        generation=loaded.generation)
+        generation=generation)
     log.info("model loaded: %s, %.1fM parameters, dtype %s, quantization %s, weights %.0f MiB, "
              "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, "
              "prefix caching %s, scheduling %s, %.1fs",

@@ -30,11 +30,12 @@ class _ChoiceStats:
 
 class Observability:
     def __init__(self, model_name: str, metrics: Metrics, tracing: Tracing,
-                 log_prompts: bool = False) -> None:
+                 log_prompts: bool = False, log_requests: bool = True) -> None:
         self.model_name = model_name
         self.metrics = metrics
         self.tracing = tracing
         self.log_prompts = log_prompts
+        self.log_requests = log_requests  # --disable-log-requests turns the lines off
         # engine request id -> the telemetry of the HTTP request it serves
         self.active: dict[str, RequestTelemetry] = {}
         # recent figures for GET /dashboard; None turns them off
@@ -183,6 +184,8 @@ class RequestTelemetry:
                 span.child("prefill", start_ns, end_ns)
             reasons = [r.finish_reason for r in records if r.finish_reason]
             span.finish(combined, self.response_id, self.obs.model_name, reasons or None)
+        if not self.obs.log_requests:
+            return
         output_text = None
         if self.obs.log_prompts:
             output_text = [c.text for c in self.choices.values()]

@@ -49,12 +49,15 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
         except ValueError:
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    if defaults.max_new_tokens is not None:  # generation_config.json's cap, as in vLLM
+        max_tokens = defaults.max_new_tokens if max_tokens is None \
+            else min(max_tokens, defaults.max_new_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=pick(req.temperature, defaults.temperature, 1.0),
         top_p=pick(req.top_p, defaults.top_p, 1.0),
         top_k=pick(req.top_k, defaults.top_k, -1),
-        min_p=req.min_p if req.min_p is not None else 0.0,
+        min_p=pick(req.min_p, defaults.min_p, 0.0),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty, 1.0),

@@ -17,6 +17,7 @@ from service.config import EngineArgs, ServerConfig
 from service.engine_factory import create_engine, model_name_for
 from service.guards import limit_connections
 from service.observability import Observability
+from service.warmup import warm_up
 from telemetry.logs import log_lifecycle
 from telemetry.metrics import Metrics
 from telemetry.tracing import setup_tracing
@@ -25,10 +26,12 @@ log = logging.getLogger("baton")
 
 
 def build_observability(engine_args: EngineArgs, config: ServerConfig) -> Observability:
-    model_name = config.served_model_name or model_name_for(engine_args.model)
+    names = config.served_model_names
+    model_name = names[0] if names else model_name_for(engine_args.model)
     tracing = setup_tracing(otlp_endpoint=config.otlp_traces_endpoint,
                             detail=config.trace_detail)
-    return Observability(model_name, Metrics(model_name), tracing, config.log_prompts)
+    return Observability(model_name, Metrics(model_name), tracing, config.log_prompts,
+                         log_requests=config.log_requests)
 
 
 async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
@@ -102,7 +105,7 @@ def _raise_open_files_limit(max_connections: int) -> None:
 
 
 def _load_in_background(engine_args: EngineArgs) -> asyncio.Future:
-    """create_engine on a daemon thread: unlike the default executor, which
+    """create_engine and the warm-up on a daemon thread: unlike the default executor, which
     asyncio.run joins on the way out, a stop during a long load need not wait
     for the load to finish."""
     loop = asyncio.get_running_loop()
@@ -118,7 +121,9 @@ def _load_in_background(engine_args: EngineArgs) -> asyncio.Future:
 
     def load() -> None:
         try:
-            result, error = create_engine(engine_args), None
+            core = create_engine(engine_args)
+            warm_up(core)
+            result, error = core, None
         except Exception as exc:  # noqa: BLE001 - handed to the loop
             result, error = None, exc
         try:

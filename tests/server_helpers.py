@@ -103,8 +103,10 @@ def running_server(engine: EngineCore | EngineArgs, config: ServerConfig | None 
     always on (as in ``baton serve``); tracing only when given."""
     core = engine if isinstance(engine, EngineCore) else create_engine(engine)
     config = config or ServerConfig()
-    name = model_name or config.served_model_name or core.model_name
-    obs = Observability(name, Metrics(name), tracing or Tracing(), config.log_prompts)
+    names = config.served_model_names
+    name = model_name or (names[0] if names else core.model_name)
+    obs = Observability(name, Metrics(name), tracing or Tracing(), config.log_prompts,
+                        log_requests=config.log_requests)
     state = ServerState(config, model_name=name, obs=obs)
     loop = asyncio.new_event_loop()
     started: dict[str, Any] = {}

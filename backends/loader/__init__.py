@@ -1,4 +1,4 @@
-"""Model loading: a Hugging Face folder or a GGUF file to a LoadedModel."""
+"""Model loading: a Hugging Face folder, a GGUF file or a Hub id to a LoadedModel."""
 
 from __future__ import annotations
 
@@ -19,9 +19,27 @@ def resolve_model_path(model: str | os.PathLike | None) -> pathlib.Path:
     return pathlib.Path(model).expanduser()
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
-               progress: bool = False) -> LoadedModel:
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
+                  download_dir: str | None = None, progress: bool = False) -> pathlib.Path:
+    """A local path for ``model``: the embedded default for None, a local
+    folder or file as it is, a Hugging Face Hub id (``org/name``,
+    ``org/name:TAG``) fetched into the Hub cache (backends/loader/hub.py)."""
+    if model is not None and str(model) != "default":
+        from backends.loader.hub import download_model, is_hub_id
+        if is_hub_id(str(model)):
+            return download_model(str(model), revision, download_dir, progress)
     path = resolve_model_path(model)
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {str(path)!r} does not exist (nor is it a Hugging Face Hub id, "
+            f"org/name)")
+    return path
+
+
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
+               progress: bool = False, revision: str | None = None,
+               download_dir: str | None = None) -> LoadedModel:
+    path = resolve_model(model, revision, download_dir, progress)
     if path.is_dir():
         from backends.loader.hf import load_hf_folder
         return load_hf_folder(path, dtype=dtype, progress=progress)
@@ -29,6 +47,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
         from backends.loader.gguf import load_gguf
         return load_gguf(path, dtype=dtype, progress=progress)
     if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+        raise ModelLoadError(
+            f"model path {str(path)!r} does not exist (nor is it a Hugging Face Hub id, "
+            f"org/name)")
     raise ModelLoadError(
         f"model path {str(path)!r} is neither a Hugging Face model folder nor a .gguf file")

@@ -30,6 +30,7 @@ from backends.config import (
     TokenizerSpec,
 )
 from backends.errors import ModelLoadError, UnsupportedArchitectureError
+from backends.loader.generation_config import parse_generation_config
 from backends.models.weight_spec import checkpoint_shapes
 
 _ARCH_BY_CLASS = {
@@ -354,21 +355,15 @@ def _chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
 
 def _load_generation(folder: Path, raw_config: dict[str, Any],
                      tokenizer: TokenizerSpec) -> GenerationDefaults:
-    gen = _read_json(folder / "generation_config.json") or {}
-    eos = _id_tuple(gen.get("eos_token_id"), "generation_config.json")
-    if not eos:
-        eos = _id_tuple(raw_config.get("eos_token_id"), "config.json")
+    # generation_config.json first, then config.json, then the tokenizer's own.
+    eos = _id_tuple(raw_config.get("eos_token_id"), "config.json")
     if not eos and tokenizer.eos_token_id is not None:
         eos = (tokenizer.eos_token_id,)
-    bos = gen.get("bos_token_id", raw_config.get("bos_token_id"))
-    return GenerationDefaults(
-        eos_token_ids=eos,
-        bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
-        temperature=_optional_float(gen, "temperature"),
-        top_p=_optional_float(gen, "top_p"),
-        top_k=gen["top_k"] if isinstance(gen.get("top_k"), int) else None,
-        repetition_penalty=_optional_float(gen, "repetition_penalty"),
-    )
+    bos = raw_config.get("bos_token_id")
+    base = GenerationDefaults(
+        eos_token_ids=eos, bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id)
+    gen = _read_json(folder / "generation_config.json") or {}
+    return parse_generation_config(gen, "generation_config.json", base)
 
 
 def _id_tuple(value: Any, file: str) -> tuple[int, ...]:
@@ -379,11 +374,6 @@ def _id_tuple(value: Any, file: str) -> tuple[int, ...]:
         raise ModelLoadError(f"{file}: eos_token_id must be an integer or a list of integers, "
                              f"got {value!r}")
     return tuple(ids)
-
-
-def _optional_float(raw: dict[str, Any], key: str) -> float | None:
-    value = raw.get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 # ---------------------------------------------------------------- files

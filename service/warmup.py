@@ -1,0 +1,71 @@
+"""A first-request warm-up before the server reports ready, as vLLM runs a
+dummy batch before it answers /health: the first user should not pay for
+one-time costs (oneDNN choosing and building its primitives for a new
+shape, the native kernels' first calls, the allocator growing, torch's lazy
+initialisation of its paths).
+
+The warm-up runs a few short greedy requests through the engine core the
+server will use, covering a prefill chunk, a lone decode and a batched
+decode (below and above the whole-step native decode's 4 sequences), then
+checks that every KV block and every per-request table came back empty. It runs before the step loop starts
+and before metrics are attached, so nothing it does shows in /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from backends.interface import SamplingParams
+from scheduler.engine import EngineCore
+
+log = logging.getLogger("baton")
+
+PROMPT_TEXT = "Baton warms up before it serves: the first request should be as fast as any."
+# Decode batches the warm-up runs: a lone sequence, then one past the native
+# whole-step decode's limit of 4 so the batched path is built too.
+BATCHES = (1, 5)
+OUTPUT_TOKENS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    requests: int
+    steps: int
+    seconds: float
+
+
+def warm_up(core: EngineCore) -> WarmupReport:
+    """Run the warm-up requests to completion on ``core`` (idle, not yet
+    serving). Raises what the engine raises: a model that cannot run a short
+    request must not report ready."""
+    start = time.perf_counter()
+    prompt = _prompt(core)
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    requests = steps = 0
+    for batch in BATCHES:
+        batch = min(batch, core.config.max_num_seqs)
+        for i in range(batch):
+            core.add_request(f"warmup-{batch}-{i}", prompt[:len(prompt) - i], params)
+            requests += 1
+        while core.has_work():  # until finished requests are released in the backend too
+            core.step()
+            steps += 1
+    core.check_integrity()
+    left = {table: n for table, n in core.state_sizes().items() if n}
+    if left:
+        raise RuntimeError(f"the warm-up left per-request state behind: {left}")
+    report = WarmupReport(requests, steps, time.perf_counter() - start)
+    log.info("warm-up: %d requests, %d engine steps, %.2fs", report.requests, report.steps,
+             report.seconds)
+    return report
+
+
+def _prompt(core: EngineCore) -> list[int]:
+    """A prompt of a block or two of real text, short enough for any context."""
+    ids = core.tokenizer.encode(PROMPT_TEXT)
+    want = max(8, min(2 * core.kv_cache.block_size, core.max_model_len // 4))
+    while len(ids) < want:
+        ids = ids + ids
+    return ids[:want]
