@@ -73,21 +73,72 @@ def test_other_types_fall_back_on_gguf_py():
     assert torch.equal(got, torch.from_numpy(expected.reshape(3, block)))
 
 
-def test_header_matches_gguf_py_on_the_embedded_model():
-    path = embedded_model_path()
+def _write_small_gguf(path) -> None:
+    """Every metadata value type and tensors of several types, with an
+    alignment other than the default."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    writer.add_name("tiny")
+    writer.add_block_count(3)
+    writer.add_float32("llama.rope.freq_base", 10000.5)
+    writer.add_float64("test.f64", 1.25)
+    writer.add_int8("test.i8", -3)
+    writer.add_uint16("test.u16", 65000)
+    writer.add_int64("test.i64", -2**40)
+    writer.add_bool("test.flag", True)
+    writer.add_token_list(["<s>", "a", "é", "🙂", ""] * 200)
+    writer.add_token_types([1, 2, 3, 4, 5] * 200)
+    writer.add_array("test.floats", [0.5, -1.5])
+    writer.add_array("test.bools", [True, False])
+    rng = np.random.default_rng(3)
+    writer.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((2, 32)).astype(np.float16))
+    q8 = random_blocks(T.Q8_0, 4, 64)
+    writer.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=T.Q8_0)
+    q4k = random_blocks(T.Q4_K, 2, 256)
+    writer.add_tensor("q4k", q4k, raw_shape=q4k.shape, raw_dtype=T.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_header_and_tensors_match_gguf_py(tmp_path):
+    path = tmp_path / "small.gguf"
+    _write_small_gguf(path)
     ours = read_gguf(path)
     theirs = GGUFReader(path)
+    assert ours.version == 3
     assert set(ours.fields) == {k for k in theirs.fields if not k.startswith("GGUF.")}
     for key, field in theirs.fields.items():
         if not key.startswith("GGUF."):
             assert ours.fields[key] == field.contents(), key
+    assert ours.fields["tokenizer.ggml.tokens"][:5] == ["<s>", "a", "é", "🙂", ""]
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for mine, ref in zip(ours.tensors, theirs.tensors):
         assert mine.tensor_type == ref.tensor_type
         assert mine.shape == tuple(int(d) for d in ref.shape)
         assert mine.data.dtype == ref.data.dtype and mine.data.shape == ref.data.shape
-        assert np.array_equal(mine.data[:2], ref.data[:2]), mine.name
-        assert np.array_equal(mine.data[-1:], ref.data[-1:]), mine.name
+        assert np.array_equal(mine.data, ref.data), mine.name
+    q4k = next(t for t in ours.tensors if t.name == "q4k")
+    assert q4k.torch_shape == (2, 256)
+
+
+def test_the_embedded_model_reads_as_transformers_reads_it():
+    """The vocabulary of the embedded GGUF as transformers' own (independent,
+    fast) GGUF reader sees it."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    ours = read_gguf(embedded_model_path())
+    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+            "general.architecture", "llama.context_length")
+    theirs, _ = read_gguf_metadata(str(embedded_model_path()), keys)
+    for key in keys:
+        value = theirs[key]
+        assert ours.fields[key] == (list(value) if isinstance(value, (list, tuple)) else value)
+    assert {t.tensor_type.name for t in ours.tensors} == {"F32", "Q8_0", "Q4_1"}
 
 
 def test_truncated_and_foreign_files_are_refused(tmp_path):
