@@ -4,6 +4,7 @@ and drain on SIGTERM / SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import threading
@@ -47,6 +48,10 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     await site.start()
     log_lifecycle("loading", host=config.host, port=config.port, model=obs.model_name,
                   tracing=obs.tracing.detail)
+    if config.api_key is None and not _is_loopback(config.host):
+        log.warning("listening on %s without an API key: anyone who reaches port %d can "
+                    "use the model (set --api-key, BATON_API_KEY or --api-key-file)",
+                    config.host, config.port)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -102,6 +107,13 @@ def _raise_open_files_limit(max_connections: int) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
     except (ImportError, ValueError, OSError):
         log.warning("could not raise the open-files limit for %d connections", max_connections)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _load_in_background(engine_args: EngineArgs) -> asyncio.Future:

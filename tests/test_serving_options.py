@@ -173,3 +173,11 @@ def test_engine_serves_with_the_chosen_generation_config(tiny_llama_dir, tmp_pat
     with pytest.raises(ModelLoadError, match="no generation_config.json"):
         make_engine(tiny_llama_dir, generation_config=str(tmp_path / "nope"))
     assert EngineArgs().generation_config == "auto"
+
+
+def test_serving_beyond_loopback_without_a_key_is_flagged():
+    from service.serve import _is_loopback
+
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("10.1.2.3")
+    assert not _is_loopback("baton.internal")
