@@ -38,8 +38,13 @@ CUDA_KV_FRACTION = 0.9  # of the memory left after the weights
 class _RequestState:
     params: SamplingParams
     generator: torch.Generator | None
+    # Kept only for prompt logprobs (the targets of each position).
     prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
+    # Penalties only: how often each token was generated, and which tokens
+    # the prompt holds; [vocab] on the device, built once and counted up with
+    # each sampled token rather than rebuilt from id lists every step.
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
     # Prompt positions whose next-token logprob was already returned; a
     # request recomputed after preemption must not return them twice.
     prompt_logprobs_done: int = 0
@@ -232,9 +237,9 @@ class TorchBackend:
             kept_rows.append(scheduled.request_id)
             kept_ids.append(token_id)
             kept_logprobs.append(entry)
-            state = self._states[scheduled.request_id]
-            if state.params.uses_penalties:
-                state.output_token_ids.append(token_id)
+            counts = self._states[scheduled.request_id].output_counts
+            if counts is not None:
+                counts[token_id] += 1
         timings.sample = time.perf_counter() - t2
         return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed)
 
@@ -272,9 +277,16 @@ class TorchBackend:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        keep = params.uses_penalties or params.prompt_logprobs is not None
-        prompt = (scheduled.prompt_token_ids or []) if keep else []
-        return _RequestState(params, generator, list(prompt))
+        prompt = scheduled.prompt_token_ids or []
+        state = _RequestState(params, generator,
+                              list(prompt) if params.prompt_logprobs is not None else [])
+        if params.uses_penalties:
+            vocab = self.config.vocab_size
+            state.output_counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
+            state.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            if prompt:
+                state.prompt_mask[torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
+        return state
 
     def _prepare(self, rows: list[ScheduledRequest]):
         bs = self.block_size
@@ -398,22 +410,13 @@ class TorchBackend:
         index = [i for i, p in enumerate(params) if p.uses_penalties]
         if not index:
             return None
-        vocab = self.config.vocab_size
-        counts = torch.zeros(len(index), vocab + 1, dtype=torch.float32)
-        prompt_mask = torch.zeros(len(index), vocab + 1, dtype=torch.bool)
-        for j, i in enumerate(index):
-            state = self._states[rows[i].request_id]
-            if state.output_token_ids:
-                ids = torch.tensor(state.output_token_ids, dtype=torch.long)
-                counts[j].index_add_(0, ids, torch.ones(len(ids)))
-            if state.prompt_token_ids:
-                prompt_mask[j, torch.tensor(state.prompt_token_ids, dtype=torch.long)] = True
+        states = [self._states[rows[i].request_id] for i in index]
         dev = self.device
         sel = [params[i] for i in index]
         return PenaltyInputs(
             rows=torch.tensor(index).to(dev),
-            output_counts=counts[:, :vocab].to(dev),
-            prompt_mask=prompt_mask[:, :vocab].to(dev),
+            output_counts=torch.stack([s.output_counts for s in states]),
+            prompt_mask=torch.stack([s.prompt_mask for s in states]),
             repetition=torch.tensor([p.repetition_penalty for p in sel]).to(dev),
             frequency=torch.tensor([p.frequency_penalty for p in sel]).to(dev),
             presence=torch.tensor([p.presence_penalty for p in sel]).to(dev))

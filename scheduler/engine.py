@@ -11,12 +11,10 @@ holds it while scheduling and while postprocessing, never during the
 backend's forward pass, so an ``add_request`` or ``abort`` waits at most for
 one postprocess.
 
-Faults: when the backend raises, the step's requests are run again in halves
-until the requests whose rows raise on their own are found; only those fail
-(``EngineFaultError`` text in their final output), the others get their
-tokens as if nothing had happened. A backend may also fail single rows
-(``StepResult.failed``, e.g. non-finite logits), and a request whose
-detokenization raises fails alone.
+Faults: the StepRunner (scheduler/step_runner.py) finds the requests that
+make a step fail and reports only those; a request whose detokenization
+raises fails alone too. Failed requests end with finish reason ``error`` and
+the reason in ``RequestOutput.error``; the others go on untouched.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from backends.config import GenerationDefaults
 from backends.errors import ContextLengthExceededError, InvalidRequestError
@@ -35,11 +31,11 @@ from backends.tokenizer import Tokenizer
 from cache.kv_cache_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.errors import StepTimeoutError
 from scheduler.outputs import (EngineLoad, ModelInfo, RequestOutput, SchedulerStats,
                                StepOutcome)
 from scheduler.request import FinishReason, Request
 from scheduler.scheduler import Scheduler
+from scheduler.step_runner import StepRunner, fault_text
 
 log = logging.getLogger("baton.engine")
 
@@ -49,7 +45,6 @@ class EngineCore:
                  *, vocab_size: int, eos_token_ids: tuple[int, ...],
                  model_name: str = "model",
                  generation: GenerationDefaults | None = None) -> None:
-        self.backend = backend
         self.model_name = model_name
         self.generation = generation or GenerationDefaults(eos_token_ids=tuple(eos_token_ids))
         self.tokenizer = tokenizer
@@ -64,12 +59,35 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list] = {}
         # Seconds a backend step may take before it is abandoned as hung
         # (None: wait for ever). Set by the AsyncEngine from its FaultPolicy.
-        self.step_timeout: float | None = None
-        self._forward: ThreadPoolExecutor | None = None
-        self.num_abandoned_steps = 0
-        # Set when an abandoned step came back: it may have written KV blocks
-        # that other requests own by now, so the engine is no longer trusted.
-        self.tainted: str | None = None
+        self.runner = StepRunner(backend)
+
+    @property
+    def backend(self) -> Backend:
+        return self.runner.backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self.runner.backend = backend  # tests put a fault-injecting one in between
+
+    @property
+    def step_timeout(self) -> float | None:
+        return self.runner.step_timeout
+
+    @step_timeout.setter
+    def step_timeout(self, seconds: float | None) -> None:
+        self.runner.step_timeout = seconds
+
+    @property
+    def tainted(self) -> str | None:
+        """Why the engine can no longer be trusted (a hung step came back), or None."""
+        return self.runner.tainted
+
+    @property
+    def num_abandoned_steps(self) -> int:
+        return self.runner.num_abandoned_steps
+
+    def close(self) -> None:
+        self.runner.close()
 
     @property
     def max_model_len(self) -> int:
@@ -160,7 +178,7 @@ class EngineCore:
             output = self.scheduler.schedule() if not self.scheduler.has_unfinished() \
                 else None
         if output is not None and output.finished_request_ids:
-            self._release(output)
+            self.runner.release(output)
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -187,72 +205,11 @@ class EngineCore:
         schedule_time = time.perf_counter() - t0
         if output.is_empty:
             if output.finished_request_ids:
-                self._release(output)
+                self.runner.release(output)
             return StepOutcome([])
-        result, faults = self._execute(output)
+        result, faults = self.runner.run(output)
         with self._lock:
             return self._postprocess(output, result, faults, schedule_time)
-
-    def _release(self, output: SchedulerOutput) -> None:
-        """Tell the backend which requests ended, with nothing to run."""
-        try:
-            self.backend.execute(output)
-        except Exception:  # noqa: BLE001 - the ids ride again with no one's step
-            log.exception("releasing finished requests in the backend failed")
-
-    def _execute(self, output: SchedulerOutput) -> tuple[StepResult, dict[str, str]]:
-        """Run the step; when the backend raises (or hangs past
-        ``step_timeout``), find the requests that fail on their own by
-        running the step again in halves. Returns the merged result and, per
-        failed request, why."""
-        try:
-            result = self._run_backend(output)
-        except Exception as exc:  # noqa: BLE001 - contained below
-            requests = output.requests
-            if len(requests) == 1:
-                log.error("engine step failed for request %s: %s: %s",
-                          requests[0].request_id, type(exc).__name__, exc)
-                return _empty_result(), {requests[0].request_id: _fault_text(exc)}
-            log.warning("engine step with %d requests failed (%s: %s); running it again "
-                        "in halves to find the request that causes it",
-                        len(requests), type(exc).__name__, exc)
-            mid = len(requests) // 2
-            first = SchedulerOutput(requests[:mid], output.finished_request_ids,
-                                    output.num_preempted)
-            second = SchedulerOutput(requests[mid:], [], 0)
-            result_a, faults_a = self._execute(first)
-            result_b, faults_b = self._execute(second)
-            return _merge(result_a, result_b), {**faults_a, **faults_b}
-        return result, dict(result.failed)
-
-    def _run_backend(self, output: SchedulerOutput) -> StepResult:
-        if self.step_timeout is None:
-            return self.backend.execute(output)
-        if self._forward is None:
-            self._forward = ThreadPoolExecutor(1, thread_name_prefix="baton-forward")
-        future = self._forward.submit(self.backend.execute, output)
-        try:
-            return future.result(timeout=self.step_timeout)
-        except FutureTimeout:
-            # A thread cannot be stopped: leave it behind, and use a new one.
-            self._forward.shutdown(wait=False)
-            self._forward = None
-            self.num_abandoned_steps += 1
-            future.add_done_callback(self._abandoned_step_returned)
-            raise StepTimeoutError(
-                f"the step did not finish within {self.step_timeout:g} s "
-                f"(--step-timeout)") from None
-
-    def close(self) -> None:
-        """Stop the forward thread (a hung one is left to itself)."""
-        if self._forward is not None:
-            self._forward.shutdown(wait=False)
-            self._forward = None
-
-    def _abandoned_step_returned(self, future: Future) -> None:
-        self.tainted = ("a step abandoned as hung came back later; the KV cache may "
-                        "hold its writes, so restart the server")
-        log.error("%s", self.tainted)
 
     def _postprocess(self, output: SchedulerOutput, result: StepResult,
                      faults: dict[str, str], schedule_time: float) -> StepOutcome:
@@ -276,7 +233,7 @@ class EngineCore:
             try:
                 delta = self._detokenizers[request.request_id].push([token_id])
             except Exception as exc:  # noqa: BLE001 - this request's fault only
-                faults[request.request_id] = _fault_text(exc, "detokenization failed")
+                faults[request.request_id] = fault_text(exc, "detokenization failed")
                 return "", None
             return delta.text, delta.stop_string
 
@@ -402,23 +359,6 @@ class EngineCore:
 def _backend_request_ids(backend) -> set[str] | None:
     ids = getattr(backend, "request_state_ids", None)
     return set(ids()) if callable(ids) else None
-
-
-def _fault_text(exc: BaseException, what: str = "engine fault") -> str:
-    return f"{what}: {type(exc).__name__}: {exc}"
-
-
-def _empty_result() -> StepResult:
-    return StepResult([], [], [], StepTimings())
-
-
-def _merge(a: StepResult, b: StepResult) -> StepResult:
-    timings = StepTimings(prepare=a.timings.prepare + b.timings.prepare,
-                          forward=a.timings.forward + b.timings.forward,
-                          sample=a.timings.sample + b.timings.sample)
-    return StepResult(a.request_ids + b.request_ids, a.token_ids + b.token_ids,
-                      a.logprobs + b.logprobs, timings,
-                      {**a.prompt_logprobs, **b.prompt_logprobs}, {**a.failed, **b.failed})
 
 
 def _is_prefill(scheduled) -> bool:

@@ -252,3 +252,25 @@ def test_trusted_clients_may_send_control_tokens(tiny_llama_dir):
                 return await _chat_ids(http, INJECTION)
         ids = asyncio.run(go())
     assert ids.count(IM_START_ID) == 3 and ids.count(IM_END_ID) == 2
+
+
+def test_dashboard_asks_for_the_key_in_chromium(server):
+    """The public page shows no figures until it is given the key; then it
+    polls /dashboard/stats with it."""
+    import os
+
+    from tests.chromium_helpers import chromium_binary, open_page
+    if chromium_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed; scripts/test.sh installs it")
+        pytest.skip("chromium is not installed (scripts/test.sh installs it)")
+    with open_page(f"{server.base_url}/dashboard") as page:
+        page.wait_for("!document.getElementById('key-form').hidden", timeout=30,
+                      what="the page to ask for the key")
+        assert "API key" in page.evaluate("document.getElementById('status').textContent")
+        assert page.evaluate("document.body.dataset.updates || '0'") == "0"
+        page.evaluate(f"document.getElementById('key').value = {json.dumps(KEY)}; "
+                      "document.getElementById('key-form').requestSubmit(); 'ok'")
+        page.wait_for("Number(document.body.dataset.updates) >= 1", timeout=30,
+                      what="the page's first update with the key")
+        assert page.evaluate("document.getElementById('key-form').hidden") is True
