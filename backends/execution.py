@@ -103,10 +103,14 @@ class ExecutionOptions:
     ``fast_paths=False`` runs the portable torch ops everywhere (the
     reference path: no native kernels, no oneDNN prepacking). ``cpu_kind``
     forces a lower CPU kind than the one detected; "auto" takes the CPU's own.
+    ``tensor_parallel_size`` > 1: the model is sharded over that many ranks
+    (backends/parallel), which rules out paths that cannot all-reduce
+    between layers.
     """
 
     fast_paths: bool = True
     cpu_kind: str = "auto"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.cpu_kind != "auto" and self.cpu_kind not in CPU_KINDS:
@@ -227,6 +231,13 @@ def make_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     notes = []
     if fast and kernels is None and available.reason:
         notes.append(f"no native kernels: {available.reason}")
+    # The whole-step decode runs every layer in one native call: there is
+    # no point between layers for a tensor-parallel all-reduce.
+    whole_step = 4 if native and linear == "bf16-gemv+onednn" else 0
+    if options.tensor_parallel_size > 1:
+        notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
+                     + (" (no whole-step decode)" if whole_step else ""))
+        whole_step = 0
     return ExecutionPlan(
         device=device, dtype=dtype, activation_dtype=activation,
         weight_dtype="bfloat16" if bf16_weights else activation, kv_dtype=kv,
@@ -236,5 +247,5 @@ def make_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         rope_kv_store="native" if native else "torch",
         decode_attention="native" if native else "torch-sdpa",
         activation="native" if native else "torch",
-        whole_step_decode=4 if native and linear == "bf16-gemv+onednn" else 0,
+        whole_step_decode=whole_step,
         notes=tuple(notes))

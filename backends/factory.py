@@ -70,9 +70,11 @@ def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None) -> Execution
                      options)
 
 
-def create_backend(loaded: LoadedModel, config: BackendConfig) -> Backend:
+def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) -> Backend:
     """Plan, then build the backend that follows the plan (the torch backend
-    for CPU and CUDA today; a registry once there are others)."""
+    for CPU and CUDA today; a registry once there are others). ``parallel``:
+    this process's TensorParallelGroup (backends/parallel) when the model is
+    sharded; ``loaded`` then holds this rank's shard."""
     plan = plan_for(config)
     log.info("execution plan: %s", plan.describe())
     from backends.torch_backend import TorchBackend
@@ -80,4 +82,4 @@ def create_backend(loaded: LoadedModel, config: BackendConfig) -> Backend:
                         kv_cache_bytes=config.kv_cache_bytes,
                         num_kv_blocks=config.num_kv_blocks,
                         max_positions=config.max_positions, seed=config.seed,
-                        quantization=config.quantization)
+                        quantization=config.quantization, parallel=parallel)

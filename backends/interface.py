@@ -261,3 +261,6 @@ class Backend(Protocol):
         """Ids of the requests the backend holds per-request state for (for
         integrity checks and leak gauges)."""
         ...
+
+    # Optional: ``fatal_error: str | None``, set when the backend can never
+    # run a step again (a tensor-parallel rank died); /health reports it.

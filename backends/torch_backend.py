@@ -5,11 +5,17 @@ It owns the model weights, the paged KV tensors (one K and one V tensor per
 layer, ``[num_blocks * block_size, kv_heads, head_dim]``) and the per-request
 sampling state. ``execute`` turns a SchedulerOutput into tensors, runs one
 forward pass over the flattened batch and samples.
+
+Under tensor parallelism (``parallel``: backends/parallel) it holds one
+rank's shard of the weights and of the KV cache. Rank 0's ``execute``
+broadcasts the step's rows before its forward pass and samples alone; the
+other ranks run ``follow_step`` with what it sent, in lockstep.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +30,7 @@ from backends.execution import ExecutionPlan
 from backends.linear import swap_linears
 from backends.models.decoder import DecoderLM
 from backends.ops import TORCH_OPS, native_cpu_ops
+from backends.parallel.group import ForwardRow, TensorParallelGroup
 from backends.quantization.spec import QuantizationSpec
 from backends.rope import rope_table
 from backends.sampler import PenaltyInputs, SamplingBatch, sample
@@ -64,13 +71,19 @@ class TorchBackend:
     def __init__(self, loaded: LoadedModel, plan: ExecutionPlan, *, block_size: int = 16,
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                  max_positions: int | None = None, seed: int | None = None,
-                 quantization: QuantizationSpec | None = None) -> None:
+                 quantization: QuantizationSpec | None = None,
+                 parallel: TensorParallelGroup | None = None) -> None:
         self.plan = plan
+        self.parallel = parallel
         self.device = torch.device(plan.device)
         self.dtype = DTYPES[plan.dtype]
         self.compute_dtype = act = DTYPES[plan.activation_dtype]
         self.kv_dtype = DTYPES[plan.kv_dtype]
+        # ``config`` is the model's; ``model_config`` this rank's share of it
+        # (the same without tensor parallelism).
         self.config = loaded.config
+        shard = parallel.shard(self.config) if parallel is not None else None
+        self.model_config = shard.local_config if shard is not None else self.config
         self.block_size = block_size
         self.eos_token_ids = tuple(loaded.generation.eos_token_ids)
         self.quantization = quantization or QuantizationSpec(plan.quantization)
@@ -79,7 +92,7 @@ class TorchBackend:
         cos_table, sin_table = rope_table(self.config, positions, act, self.device)
         self.ops = native_cpu_ops(plan.kernels) if plan.kernels else TORCH_OPS
         with torch.device("meta"):
-            self.model = DecoderLM(self.config, self.ops, cos_table, sin_table)
+            self.model = DecoderLM(self.model_config, self.ops, cos_table, sin_table)
         if self.quantization.enabled:
             from backends.quantization import load_quantized
             load_quantized(self.model, loaded.weights, self.quantization, self.device, act)
@@ -95,10 +108,15 @@ class TorchBackend:
         n = swap_linears(self.model, plan)
         log.debug("%d linear layers as %s, output projection as %s", n, plan.linear,
                   plan.lm_head)
+        if parallel is not None:
+            from backends.parallel.layers import parallelize
+            parallelize(self.model, parallel, shard.partition)
 
         self.num_kv_blocks = num_kv_blocks or self._blocks_for_budget(kv_cache_bytes)
+        if parallel is not None:  # every rank must hold every block rank 0 hands out
+            self.num_kv_blocks = parallel.agree_min(self.num_kv_blocks)
         num_slots = self.num_kv_blocks * block_size
-        shape = (num_slots, self.config.num_kv_heads, self.config.head_dim)
+        shape = (num_slots, self.model_config.num_kv_heads, self.model_config.head_dim)
         # Zeroed, not empty: padded attention reads masked slots, and garbage
         # NaNs there would survive a zero attention weight (0 * nan = nan).
         self.kv_caches = [
@@ -141,7 +159,11 @@ class TorchBackend:
         """The trained model's parameter count, whatever the storage: linear
         layers (plain, prepacked, bf16-tiled or quantized, all with
         in/out_features) by their shape, everything else by its parameters;
-        a tied output projection is the embedding and counted once."""
+        a tied output projection is the embedding and counted once. Under
+        tensor parallelism, the whole model's (from its weight spec)."""
+        if self.parallel is not None:
+            from backends.models.weight_spec import checkpoint_shapes
+            return sum(math.prod(shape) for shape in checkpoint_shapes(self.config).values())
         linears = [m for m in self.model.modules()
                    if hasattr(m, "in_features") and hasattr(m, "out_features")]
         if self.config.tie_word_embeddings:
@@ -156,6 +178,12 @@ class TorchBackend:
                            if id(p) not in linear_params)
 
     @property
+    def fatal_error(self) -> str | None:
+        """Why this backend can never step again (a tensor-parallel rank
+        died or hangs), else None."""
+        return self.parallel.fatal_error if self.parallel is not None else None
+
+    @property
     def weight_bytes(self) -> int:
         from backends.quantization import resident_weight_bytes
         return resident_weight_bytes(self.model)
@@ -165,7 +193,7 @@ class TorchBackend:
         return self.num_kv_blocks * self.block_size
 
     def _blocks_for_budget(self, kv_cache_bytes: int | None) -> int:
-        per_block = kv_bytes_per_token(self.config, self.kv_dtype) * self.block_size
+        per_block = kv_bytes_per_token(self.model_config, self.kv_dtype) * self.block_size
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
                 free, _total = torch.cuda.mem_get_info(self.device)
@@ -180,6 +208,8 @@ class TorchBackend:
         return int(blocks)
 
     def shutdown(self) -> None:
+        if self.parallel is not None:
+            self.parallel.close()
         self._whole_step = None
         self.kv_caches = []
         self._states.clear()
@@ -204,6 +234,10 @@ class TorchBackend:
 
         # Single-token rows (decodes) first: they share one attention call.
         rows = sorted(scheduler_output.requests, key=lambda r: len(r.token_ids) != 1)
+        spans = self._prompt_logprob_spans(rows)
+        if self.parallel is not None:  # the other ranks prepare while this one does
+            self.parallel.broadcast_step(rows, [(lo, lo + last - first)
+                                                for _, first, last, lo in spans])
         input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows)
         batch = self._sampling_batch(sample_rows)
         t1 = time.perf_counter()
@@ -217,7 +251,7 @@ class TorchBackend:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[logits_index])
-        prompt_logprobs = self._prompt_logprobs(rows, hidden)
+        prompt_logprobs = self._prompt_logprobs(spans, hidden)
         t2 = time.perf_counter()
         timings.forward = t2 - t1
 
@@ -243,33 +277,54 @@ class TorchBackend:
         timings.sample = time.perf_counter() - t2
         return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed)
 
-    def _prompt_logprobs(self, rows: list[ScheduledRequest],
-                         hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
-        """Next-token logprobs at the prompt positions this step computed."""
-        result: dict[str, list[TokenLogprobs]] = {}
+    def _prompt_logprob_spans(self, rows: list[ScheduledRequest]
+                              ) -> list[tuple[ScheduledRequest, int, int, int]]:
+        """``(row, first, last, offset)`` for each row whose prompt positions
+        ``first .. last - 1`` get next-token logprobs this step; ``offset``
+        is the batch row of position ``first``. Host data only."""
+        spans = []
         start = 0
         for row in rows:
             n = len(row.token_ids)
             state = self._states[row.request_id]
-            top_n = state.params.prompt_logprobs
             first = max(row.start_pos, state.prompt_logprobs_done)
             last = min(row.start_pos + n, len(state.prompt_token_ids) - 1)
-            if top_n is not None and first < last:
-                rows_index = torch.arange(start + first - row.start_pos,
-                                          start + last - row.start_pos, device=self.device)
-                lp = torch.log_softmax(self.model.compute_logits(hidden[rows_index]), dim=-1)
-                targets = state.prompt_token_ids[first + 1:last + 1]
-                chosen = lp.gather(1, torch.tensor(targets, device=self.device)[:, None])
-                top_v, top_i = (lp.topk(top_n, dim=-1) if top_n else (None, None))
-                chosen_l = chosen.squeeze(1).tolist()
-                top_vl = top_v.tolist() if top_v is not None else None
-                top_il = top_i.tolist() if top_i is not None else None
-                result[row.request_id] = [
-                    TokenLogprobs(t, c, list(zip(top_il[k], top_vl[k])) if top_il else [])
-                    for k, (t, c) in enumerate(zip(targets, chosen_l))]
-                state.prompt_logprobs_done = last
+            if state.params.prompt_logprobs is not None and first < last:
+                spans.append((row, first, last, start + first - row.start_pos))
             start += n
+        return spans
+
+    def _prompt_logprobs(self, spans: list[tuple[ScheduledRequest, int, int, int]],
+                         hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """Next-token logprobs at the prompt positions this step computed."""
+        result: dict[str, list[TokenLogprobs]] = {}
+        for row, first, last, offset in spans:
+            state = self._states[row.request_id]
+            top_n = state.params.prompt_logprobs
+            hidden_rows = hidden[offset:offset + last - first]
+            lp = torch.log_softmax(self.model.compute_logits(hidden_rows), dim=-1)
+            targets = state.prompt_token_ids[first + 1:last + 1]
+            chosen = lp.gather(1, torch.tensor(targets, device=self.device)[:, None])
+            top_v, top_i = (lp.topk(top_n, dim=-1) if top_n else (None, None))
+            chosen_l = chosen.squeeze(1).tolist()
+            top_vl = top_v.tolist() if top_v is not None else None
+            top_il = top_i.tolist() if top_i is not None else None
+            result[row.request_id] = [
+                TokenLogprobs(t, c, list(zip(top_il[k], top_vl[k])) if top_il else [])
+                for k, (t, c) in enumerate(zip(targets, chosen_l))]
+            state.prompt_logprobs_done = last
         return result
+
+    @torch.inference_mode()
+    def follow_step(self, rows: list[ForwardRow], spans: list[tuple[int, int]]) -> None:
+        """A tensor-parallel rank other than 0: the collective part of rank
+        0's ``execute`` (the forward pass, the logits of the sampled rows,
+        then of each prompt-logprob span), on what rank 0 broadcast."""
+        input_ids, positions, meta, _, logits_index = self._prepare(rows)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[logits_index])
+        for lo, hi in spans:
+            self.model.compute_logits(hidden[lo:hi])
 
     def _new_state(self, scheduled: ScheduledRequest) -> _RequestState:
         params = scheduled.sampling_params

@@ -106,11 +106,16 @@ class AsyncEngine:
         return self._core.load().num_waiting
 
     def health(self) -> EngineHealth:
-        """Unhealthy when the loop has stopped, when the last
+        """Unhealthy when the loop has stopped, when the backend reports a
+        fatal error, when the last
         ``policy.unhealthy_after_failed_steps`` steps all failed, or when a
         busy engine has finished no step for ``policy.stall_timeout``."""
         if not self.is_running:
             return EngineHealth(False, "the engine loop has stopped")
+        # A backend that can never step again (a tensor-parallel rank died).
+        fatal = getattr(self._core.backend, "fatal_error", None)
+        if fatal:
+            return EngineHealth(False, fatal)
         if self._core.tainted:
             return EngineHealth(False, self._core.tainted)
         failed = self.consecutive_failed_steps

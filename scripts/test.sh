@@ -20,5 +20,5 @@ if [ "${#need[@]}" -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
 
-./scripts/setup.sh "[test]"
+./scripts/setup.sh "[test,ray]"
 exec .venv/bin/python -m pytest -q -ra "$@"

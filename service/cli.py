@@ -163,6 +163,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--generation-config", "auto", "sampling defaults: auto (the model's "
           "generation_config.json), vllm (none: the request's values, else OpenAI's), or "
           "a folder holding a generation_config.json")
+    from service.scale_flags import add_parallel_flags
+    add_parallel_flags(parser)
 
 
 def _model_from(ns: argparse.Namespace) -> None:
@@ -188,7 +190,13 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind,
         revision=ns.revision, download_dir=ns.download_dir,
-        generation_config=ns.generation_config, progress=True, **overrides)
+        generation_config=ns.generation_config, parallel=_parallel_config(ns),
+        progress=True, **overrides)
+
+
+def _parallel_config(ns: argparse.Namespace):
+    from service.scale_flags import parallel_config_from
+    return parallel_config_from(ns)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -249,11 +257,9 @@ def _api_key(ns: argparse.Namespace) -> str | None:
     return None
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
+def server_config_from(ns: argparse.Namespace):
     from service.config import ServerConfig
-    from service.serve import run_server
-
-    config = ServerConfig(
+    return ServerConfig(
         host=ns.host, port=ns.port, served_model_names=tuple(ns.served_model_name or ()),
         api_key=_api_key(ns), max_waiting_requests=ns.max_waiting_requests,
         max_waiting_tokens=ns.max_waiting_tokens,
@@ -268,7 +274,30 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         otlp_traces_endpoint=ns.otlp_traces_endpoint, trace_detail=ns.trace_detail,
         log_prompts=ns.log_prompts, log_requests=not ns.disable_log_requests,
         allowed_origins=tuple(ns.allowed_origins or ()))
-    return run_server(engine_args_from(ns, seed=ns.seed), config)
+
+
+def parse_serve_argv(argv: list[str]):
+    """``baton serve`` arguments -> (EngineArgs, ServerConfig), e.g. for each
+    Ray Serve replica."""
+    ns = build_parser().parse_args(["serve", *argv])
+    _model_from(ns)
+    return engine_args_from(ns, seed=ns.seed), server_config_from(ns)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from service.scale_flags import replica_set_from, wants_replicas
+    from service.serve import run_server
+
+    config = server_config_from(ns)
+    engine_args = engine_args_from(ns, seed=ns.seed)
+    if engine_args.parallel.node_rank > 0:
+        # Another node of a multi-node tensor-parallel engine: only its ranks.
+        from service.tensor_parallel import run_node
+        return run_node(engine_args)
+    if wants_replicas(ns):
+        from service.ray_launch import run_replicas
+        return run_replicas(engine_args, config, replica_set_from(ns, engine_args))
+    return run_server(engine_args, config)
 
 
 def _add_serve_flags(srv: argparse.ArgumentParser) -> None:
@@ -338,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"{MODEL_HELP} (default: --model, else the embedded model)")
     add_engine_flags(srv)
     _add_serve_flags(srv)
+    from service.scale_flags import add_replica_flags
+    add_replica_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",

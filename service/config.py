@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from backends.parallel.config import ParallelConfig
 from scheduler.config import FaultPolicy
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -68,6 +69,8 @@ class EngineArgs:
     revision: str | None = None          # Hub ids only: branch, tag or commit
     download_dir: str | None = None      # Hub ids only: cache folder (None: HF's own)
     generation_config: str = "auto"      # auto | vllm | folder with generation_config.json
+    # Tensor parallelism: ranks, nodes, rendezvous (docs/scaling.md)
+    parallel: ParallelConfig = ParallelConfig()
 
 
 @dataclass(frozen=True, slots=True)

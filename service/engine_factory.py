@@ -14,6 +14,7 @@ from backends.device import DTYPES, resolve_dtype
 from backends.errors import ModelLoadError
 from backends.execution import ExecutionOptions
 from backends.factory import BackendConfig, create_backend
+from backends.interface import Backend
 from backends.loader import load_model, resolve_model, resolve_model_path
 from backends.loader.generation_config import apply_generation_config, generation_config_file
 from backends.loader.hub import hub_repo_name, is_hub_id
@@ -42,10 +43,10 @@ def model_name_for(model: str | None) -> str:
     return _QUANT_SUFFIX.sub("", path.stem)
 
 
-def _load(args: EngineArgs, path, quantization: QuantizationSpec) -> LoadedModel:
+def _load(args: EngineArgs, path, quantization: QuantizationSpec, shard=None) -> LoadedModel:
     dtype = DTYPES[args.dtype]
     if quantization.mode != "gguf":
-        return load_model(path, dtype=dtype, progress=args.progress)
+        return load_model(path, dtype=dtype, progress=args.progress, shard=shard)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise QuantizationError(
             f"--quantization gguf keeps a GGUF file's quantized blocks, but {str(path)!r} "
@@ -53,6 +54,30 @@ def _load(args: EngineArgs, path, quantization: QuantizationSpec) -> LoadedModel
     from backends.loader.gguf import load_gguf
     return load_gguf(path, dtype=dtype, progress=args.progress,
                      keep_quantized=GGUF_KEPT_TYPES)
+
+
+def load_backend(args: EngineArgs, parallel=None, device: str | None = None,
+                 ) -> tuple[LoadedModel, Backend]:
+    """Load the model (``parallel``: this rank's shard of it) and build its
+    backend; every tensor-parallel rank runs this with the same ``args``.
+    The returned model's weights are already released."""
+    quantization = QuantizationSpec(args.quantization, args.quantization_group_size)
+    path = resolve_model(args.model, args.revision, args.download_dir, args.progress)
+    loaded = _load(args, path, quantization, parallel.shard if parallel is not None else None)
+    wanted_len = args.max_model_len or loaded.config.max_position_embeddings
+    device = device or args.device
+    with heartbeat(f"building the {device} backend ({quantization.describe()})",
+                   enabled=args.progress):
+        backend = create_backend(loaded, BackendConfig(
+            device=device, dtype=args.dtype, block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+            max_positions=wanted_len, seed=args.seed, quantization=quantization,
+            execution=ExecutionOptions(
+                fast_paths=args.fast_paths, cpu_kind=args.cpu_kind,
+                tensor_parallel_size=args.parallel.tensor_parallel_size)),
+            parallel=parallel)
+    loaded.weights.clear()
+    return loaded, backend
 
 
 def create_engine(args: EngineArgs) -> EngineCore:
@@ -70,18 +95,25 @@ def create_engine(args: EngineArgs) -> EngineCore:
     generation_config_file(args.generation_config)  # a bad path fails before the load
     path = resolve_model(args.model, args.revision, args.download_dir, args.progress)
     t0 = time.perf_counter()
-    loaded = _load(args, path, quantization)
+    group = None
+    if args.parallel.enabled:
+        if quantization.mode == "gguf":
+            raise ValueError("--quantization gguf keeps a GGUF file's quantized blocks, which "
+                             "cannot be split over tensor-parallel ranks; use int8 or int4")
+        from service.tensor_parallel import start_ranks
+        # The workers load the files this process resolved (a Hub id is
+        # downloaded once).
+        group = start_ranks(dataclasses.replace(args, model=str(path), revision=None))
+    try:
+        loaded, backend = load_backend(dataclasses.replace(args, model=str(path), revision=None),
+                                       group, str(group.device) if group is not None else None)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
     generation = apply_generation_config(args.generation_config, loaded.generation)
     config = loaded.config
     wanted_len = args.max_model_len or config.max_position_embeddings
-    with heartbeat(f"building the {args.device} backend ({quantization.describe()})",
-                   enabled=args.progress):
-        backend = create_backend(loaded, BackendConfig(
-            device=args.device, dtype=args.dtype, block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-            max_positions=wanted_len, seed=args.seed, quantization=quantization,
-            execution=ExecutionOptions(fast_paths=args.fast_paths, cpu_kind=args.cpu_kind)))
-    loaded.weights.clear()
     # A lone request must always fit the pool, or it could never finish.
     max_model_len = min(wanted_len, backend.kv_capacity_tokens)
     if max_model_len < wanted_len:
@@ -105,7 +137,9 @@ def create_engine(args: EngineArgs) -> EngineCore:
              "prefix caching %s, scheduling %s, %.1fs",
              loaded.source or config.name, backend.num_parameters / 1e6,
              args.dtype, quantization.describe(), backend.weight_bytes / 2**20,
-             args.device, backend.kv_capacity_tokens, backend.num_kv_blocks,
+             args.device + (f", tensor parallel {args.parallel.tensor_parallel_size} "
+                            f"(weights and KV per rank)" if group is not None else ""),
+             backend.kv_capacity_tokens, backend.num_kv_blocks,
              args.block_size, max_model_len, "on" if args.enable_prefix_caching else "off",
              args.scheduling_policy, time.perf_counter() - t0)
     return core

@@ -88,6 +88,7 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     while state.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await engine.shutdown()
+    core.backend.shutdown()  # stops tensor-parallel workers
     await runner.cleanup()
     state.phase = "stopped"
     obs.tracing.shutdown()

@@ -38,14 +38,22 @@ def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
                progress: bool = False, revision: str | None = None,
-               download_dir: str | None = None) -> LoadedModel:
+               download_dir: str | None = None, shard=None) -> LoadedModel:
+    """``shard``: for one tensor-parallel rank, a function of the model's
+    config returning its CheckpointShard (backends/parallel/sharding.py);
+    the weights are then only that rank's part: read as slices from
+    safetensors files; a GGUF file is dequantized whole, then each tensor is
+    cut to its part and the rest dropped before the model is built."""
     path = resolve_model(model, revision, download_dir, progress)
     if path.is_dir():
         from backends.loader.hf import load_hf_folder
-        return load_hf_folder(path, dtype=dtype, progress=progress)
+        return load_hf_folder(path, dtype=dtype, progress=progress, shard=shard)
     if path.is_file() and path.suffix == ".gguf":
         from backends.loader.gguf import load_gguf
-        return load_gguf(path, dtype=dtype, progress=progress)
+        loaded = load_gguf(path, dtype=dtype, progress=progress)
+        if shard is not None:
+            shard(loaded.config).take_all(loaded.weights)
+        return loaded
     if not path.exists():
         raise ModelLoadError(
             f"model path {str(path)!r} does not exist (nor is it a Hugging Face Hub id, "

@@ -46,8 +46,10 @@ _MAX_LISTED = 10
 
 
 def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-                   progress: bool = False) -> LoadedModel:
-    """Load the model in Hugging Face folder ``path`` with weights in ``dtype``.
+                   progress: bool = False, shard=None) -> LoadedModel:
+    """Load the model in Hugging Face folder ``path`` with weights in ``dtype``
+    (``shard``: see ``backends.loader.load_model``; only that part of each
+    tensor is read).
 
     Raises ModelLoadError (UnsupportedArchitectureError for a family Baton
     does not implement) when a file is missing, malformed or inconsistent.
@@ -62,8 +64,9 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype = torch.floa
         raise ModelLoadError(f"{folder} has no config.json; is it a Hugging Face model folder?")
     config = parse_hf_config(raw_config, name=folder.resolve().name)
     tokenizer = _load_tokenizer(folder)
-    weights = _load_weights(folder, dtype, progress)
-    _validate_weights(weights, config)
+    sharder = shard(config) if shard is not None else None
+    weights = _load_weights(folder, dtype, progress, sharder)
+    _validate_weights(weights, sharder.local_config if sharder is not None else config)
     generation = _load_generation(folder, raw_config, tokenizer)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
                        generation=generation, source=str(folder))
@@ -191,7 +194,8 @@ def _optional_int(raw: dict[str, Any], key: str, default: int | None) -> int | N
 
 # ---------------------------------------------------------------- weights
 
-def _load_weights(folder: Path, dtype: torch.dtype, progress: bool) -> dict[str, torch.Tensor]:
+def _load_weights(folder: Path, dtype: torch.dtype, progress: bool,
+                  sharder=None) -> dict[str, torch.Tensor]:
     names_by_file = _weight_files(folder)
     total = sum(len(names) for names in names_by_file.values())
     bar = tqdm(total=total, desc=f"loading {folder.name}", unit="tensor",
@@ -199,7 +203,7 @@ def _load_weights(folder: Path, dtype: torch.dtype, progress: bool) -> dict[str,
     weights: dict[str, torch.Tensor] = {}
     with bar:
         for file, names in names_by_file.items():
-            weights.update(_read_safetensors(folder / file, names, dtype, bar))
+            weights.update(_read_safetensors(folder / file, names, dtype, bar, sharder))
     return weights
 
 
@@ -236,7 +240,7 @@ def _corrupt(path: Path, exc: Exception) -> ModelLoadError:
 
 
 def _read_safetensors(path: Path, names: list[str], dtype: torch.dtype,
-                      bar: Any) -> dict[str, torch.Tensor]:
+                      bar: Any, sharder=None) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ModelLoadError(f"weights file {path} is missing")
     out: dict[str, torch.Tensor] = {}
@@ -252,7 +256,8 @@ def _read_safetensors(path: Path, names: list[str], dtype: torch.dtype,
                 # Rotary frequencies are recomputed from the config.
                 if name.endswith("inv_freq"):
                     continue
-                tensor = f.get_tensor(name)
+                tensor = (f.get_tensor(name) if sharder is None
+                          else sharder.take(name, f.get_slice(name)))
                 out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     except (SafetensorError, OSError) as exc:
         raise _corrupt(path, exc) from None

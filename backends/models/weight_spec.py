@@ -9,8 +9,12 @@ quantization finds the projections it may replace by it.
 
 Linear layers are marked (``linear``): their weight and bias are what a
 transform may swap for another module (prepacked, quantized, sharded).
-A new architecture option (extra norms, biases) adds entries here and the
-module attributes they name; nothing else needs to learn the names.
+Each checkpoint tensor also says how tensor parallelism splits it
+(``Split``; backends/parallel/sharding.py): a linear split along its output
+rows is column-parallel, one split along its input columns row-parallel
+(its output is all-reduced). A new architecture option (extra norms,
+biases) adds entries here and the module attributes they name; nothing else
+needs to learn the names.
 """
 
 from __future__ import annotations
@@ -23,6 +27,21 @@ Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
+class Split:
+    """How tensor parallelism splits a checkpoint tensor: along ``dim``,
+    in units of ``axis`` ("heads", "kv_heads", "intermediate", "vocab"), or
+    ``axis="reduced"`` for the bias of a row-parallel linear (added once,
+    after the all-reduce). A tensor without a Split is replicated."""
+
+    dim: int
+    axis: str
+
+
+HEADS_OUT, KV_OUT, HEADS_IN = Split(0, "heads"), Split(0, "kv_heads"), Split(1, "heads")
+MLP_OUT, MLP_IN, VOCAB = Split(0, "intermediate"), Split(1, "intermediate"), Split(0, "vocab")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelTensor:
     """One tensor of the model.
 
@@ -30,12 +49,20 @@ class ModelTensor:
     ``sources``: the checkpoint tensors it is made of, in order, concatenated
     along dim 0; ``source_shapes`` their shapes. ``linear``: the dotted name
     of the linear module it belongs to (weight or bias), else None.
+    ``splits``: per source, how tensor parallelism splits it (empty: all
+    replicated).
     """
 
     path: str
     sources: tuple[str, ...]
     source_shapes: tuple[Shape, ...]
     linear: str | None = None
+    splits: tuple[Split | None, ...] = ()
+
+    @property
+    def row_parallel(self) -> bool:
+        """A linear weight split along its input: its output needs an all-reduce."""
+        return any(s is not None and s.dim == 1 for s in self.splits)
 
     @property
     def shape(self) -> Shape:
@@ -51,19 +78,22 @@ class ModelTensor:
         return self.path.rpartition(".")[2]
 
 
-def _t(path: str, *sources: tuple[str, Shape], linear: bool = False) -> ModelTensor:
+def _t(path: str, *sources: tuple[str, Shape], linear: bool = False,
+       split: tuple[Split | None, ...] = ()) -> ModelTensor:
     return ModelTensor(path, tuple(n for n, _ in sources), tuple(s for _, s in sources),
-                       path.rpartition(".")[0] if linear else None)
+                       path.rpartition(".")[0] if linear else None, split)
 
 
 def weight_spec(config: ModelConfig) -> list[ModelTensor]:
     """Every tensor of a Llama / Mistral / Qwen2 / Qwen3 decoder for ``config``."""
     c = config
     h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-    spec = [_t("embed_tokens.weight", ("model.embed_tokens.weight", (c.vocab_size, h))),
+    spec = [_t("embed_tokens.weight", ("model.embed_tokens.weight", (c.vocab_size, h)),
+               split=(VOCAB,)),
             _t("norm", ("model.norm.weight", (h,)))]
     if not c.tie_word_embeddings:
-        spec.append(_t("lm_head.weight", ("lm_head.weight", (c.vocab_size, h)), linear=True))
+        spec.append(_t("lm_head.weight", ("lm_head.weight", (c.vocab_size, h)), linear=True,
+                       split=(VOCAB,)))
     for i in range(c.num_layers):
         L, P = f"layers.{i}.", f"model.layers.{i}."
         attn, mlp = P + "self_attn.", P + "mlp."
@@ -71,21 +101,23 @@ def weight_spec(config: ModelConfig) -> list[ModelTensor]:
             _t(L + "input_norm", (P + "input_layernorm.weight", (h,))),
             _t(L + "qkv_proj.weight", (attn + "q_proj.weight", (q, h)),
                (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h)),
-               linear=True),
+               linear=True, split=(HEADS_OUT, KV_OUT, KV_OUT)),
         ]
         if c.attention_bias:
             spec.append(_t(L + "qkv_proj.bias", (attn + "q_proj.bias", (q,)),
                            (attn + "k_proj.bias", (kv,)), (attn + "v_proj.bias", (kv,)),
-                           linear=True))
+                           linear=True, split=(HEADS_OUT, KV_OUT, KV_OUT)))
         if c.qk_norm:
             spec += [_t(L + "q_norm", (attn + "q_norm.weight", (c.head_dim,))),
                      _t(L + "k_norm", (attn + "k_norm.weight", (c.head_dim,)))]
         spec += [
-            _t(L + "o_proj.weight", (attn + "o_proj.weight", (h, q)), linear=True),
+            _t(L + "o_proj.weight", (attn + "o_proj.weight", (h, q)), linear=True,
+               split=(HEADS_IN,)),
             _t(L + "post_attention_norm", (P + "post_attention_layernorm.weight", (h,))),
             _t(L + "gate_up_proj.weight", (mlp + "gate_proj.weight", (inter, h)),
-               (mlp + "up_proj.weight", (inter, h)), linear=True),
-            _t(L + "down_proj.weight", (mlp + "down_proj.weight", (h, inter)), linear=True),
+               (mlp + "up_proj.weight", (inter, h)), linear=True, split=(MLP_OUT, MLP_OUT)),
+            _t(L + "down_proj.weight", (mlp + "down_proj.weight", (h, inter)), linear=True,
+               split=(MLP_IN,)),
         ]
     return spec
 

@@ -1,0 +1,74 @@
+"""A tensor-parallel rank that dies fails the engine cleanly, over HTTP:
+/health answers 503 naming the rank within seconds, the stream in flight
+ends with an error event, later requests fail at once with the envelope;
+nothing hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from backends.parallel.config import ParallelConfig
+from tests.engine_helpers import make_engine
+from tests.server_helpers import running_server
+
+
+def _health(base_url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_a_killed_rank_fails_the_engine_cleanly(tiny_llama_dir):
+    threads = torch.get_num_threads()
+    core = make_engine(tiny_llama_dir, parallel=ParallelConfig(tensor_parallel_size=2,
+                                                               pin_cpus=False))
+    try:
+        with running_server(core) as server:
+            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x",
+                                   max_retries=0, timeout=30)
+            reply = client.completions.create(model=core.model_name, prompt=[5, 6, 7],
+                                              max_tokens=3, temperature=0)
+            assert reply.choices[0].finish_reason == "length"
+            assert _health(server.base_url)[0] == 200
+
+            stream = client.completions.create(
+                model=core.model_name, prompt=[5, 6, 7, 8], max_tokens=400, temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+            next(iter(stream))
+            (pid,) = core.backend.parallel.worker_pids
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(openai.APIError) as failed:
+                for _ in stream:
+                    pass
+            assert "rank 1" in str(failed.value), failed.value
+
+            deadline = time.monotonic() + 10
+            while _health(server.base_url)[0] == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status, reason = _health(server.base_url)
+            assert status == 503 and "rank 1" in reason, (status, reason)
+
+            # Later requests fail at once, in the error envelope, naming the cause.
+            request = urllib.request.Request(
+                server.base_url + "/v1/completions", method="POST",
+                headers={"Content-Type": "application/json"},
+                data=json.dumps({"model": core.model_name, "prompt": [9, 10],
+                                 "max_tokens": 2}).encode())
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            body = json.loads(refused.value.read())
+            assert refused.value.code >= 500 and "rank 1" in body["error"]["message"]
+    finally:
+        core.backend.shutdown()
+        torch.set_num_threads(threads)
