@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,10 @@ class BatonReplica:
         os.environ["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(
             a for a in (attributes, f"service.instance.id={self.replica_id}") if a)
         self.config = dataclasses.replace(config, host="127.0.0.1", port=0)
+        # Ray places replicas by the CPUs they reserve; pinning inside one
+        # would take the same first cores in every replica on a node.
+        engine_args = dataclasses.replace(
+            engine_args, parallel=dataclasses.replace(engine_args.parallel, pin_cpus=False))
         self.engine_args = engine_args
         self.core = create_engine(engine_args)  # Ray routes nothing here until loaded
         self._start_lock = asyncio.Lock()
@@ -121,9 +126,10 @@ class BatonReplica:
         state.phase = "ready"
         runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        port = sock.getsockname()[1]
         self._state, self._runner = state, runner
         self._base_url = f"http://127.0.0.1:{port}"
         self._session = aiohttp.ClientSession(

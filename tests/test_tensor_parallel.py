@@ -217,3 +217,4 @@ def test_tp2_over_nccl_matches_tp1_on_cuda(tiny_qwen2_dir):
         sharded.backend.shutdown()
     for rid in prompts:
         assert got[rid].token_ids == expected[rid].token_ids, rid
+
