@@ -105,3 +105,6 @@ class LoadedModel:
     tokenizer: TokenizerSpec
     generation: GenerationDefaults
     source: str = ""
+    # Weight name -> how the file stored it, where that was not plain floats
+    # (a GGUF's "Q4_1", "Q4_K" ...): what quantization may build on.
+    source_formats: dict[str, str] = field(default_factory=dict)

@@ -3,14 +3,16 @@
 For each mode on the embedded model (or --model): perplexity over the fixed
 public-domain text in benchmarks/data/, the mean KL divergence of its
 next-token distributions from the bfloat16 model's (KL(bf16 || mode)), how
-often its top-1 token equals bfloat16's, the bytes its weights hold, and
+often its top-1 token equals bfloat16's (with --reference FILE, the bfloat16
+forward of that file instead: e.g. the unquantized weights a GGUF was made
+from), the bytes its weights hold, and
 decode tokens/s at batch 1 and 32 through the engine. "none" on a GGUF file
 means its blocks dequantized (to bfloat16 for the reference row). The file is
 read once; every mode is built from the same tensors. Prints a markdown table.
 
-    .venv/bin/python benchmarks/quality.py [--modes none int8 int4 gguf]
-        [--group-sizes 32 64] [--dtype auto] [--window 1024] [--batches 1 32]
-        [--threads N] [--no-speed]
+    .venv/bin/python benchmarks/quality.py [--model FILE] [--reference FILE]
+        [--modes none int8 int4 gguf] [--group-sizes 32 64] [--dtype auto]
+        [--window 1024] [--batches 1 32] [--threads N] [--no-speed]
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from backends.config import LoadedModel  # noqa: E402
 from backends.device import resolve_dtype  # noqa: E402
 from backends.interface import SamplingParams, ScheduledRequest  # noqa: E402
 from backends.loader import load_model, resolve_model_path  # noqa: E402
-from backends.quantization import (GGUF_KEPT_TYPES, GROUP_SIZES, QuantizationError,  # noqa: E402
-                                   QuantizationSpec, check_spec, resident_weight_bytes)
+from backends.quantization import (GROUP_SIZES, QuantizationError,  # noqa: E402
+                                   QuantizationSpec, check_spec, gguf_block_types,
+                                   resident_weight_bytes)
 from backends.quantization.ggml import GGUFBlocks  # noqa: E402
 from backends.tokenizer import Tokenizer  # noqa: E402
 from backends.factory import BackendConfig, create_backend  # noqa: E402
@@ -97,7 +100,7 @@ def load_sources(model: str | None) -> Sources:
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         from backends.loader.gguf import load_gguf
-        loaded = load_gguf(path, torch.float32, keep_quantized=GGUF_KEPT_TYPES)
+        loaded = load_gguf(path, torch.float32, keep_quantized=gguf_block_types())
         dense = {name: t.dequantize() if isinstance(t, GGUFBlocks) else t
                  for name, t in loaded.weights.items()}
         return Sources(loaded, dense, loaded.weights)
@@ -221,6 +224,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    ap.add_argument("--reference", default=None, help="a model file whose bfloat16 forward "
+                    "is the reference for KL and top-1 (default: --model's own)")
     ap.add_argument("--modes", nargs="+", default=["none", "int8", "int4", "gguf"])
     ap.add_argument("--group-sizes", type=int, nargs="+", default=None,
                     help="int4 group sizes (default: each of 32/64/128 that fits)")
@@ -247,13 +252,22 @@ def main() -> None:
     speed_blocks = max(args.batches) * -(-(args.prompt + args.output + 1) // 16) + 8
     num_blocks = max(-(-args.window // 16), speed_blocks)
     backends = {v.label: build_backend(sources, v, num_blocks) for v in chosen}
+    reference_name = REFERENCE
+    if args.reference:
+        ref_sources = load_sources(args.reference)
+        if ref_sources.loaded.config.vocab_size != sources.loaded.config.vocab_size:
+            raise SystemExit("--reference has another vocabulary")
+        reference_name = f"reference: {Path(args.reference).name} (bfloat16)"
+        backends = {reference_name: build_backend(
+            ref_sources, Variant(reference_name, QuantizationSpec(), "bfloat16"), num_blocks),
+            **backends}
 
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {platform.machine()} "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"# model {Path(sources.loaded.source).name or sources.loaded.config.name}; "
           f"text {len(tokens)} tokens in windows of {args.window}; KL and top-1 against "
-          f"{REFERENCE}; decode {args.prompt} prompt + {args.output} output tokens")
+          f"{reference_name}; decode {args.prompt} prompt + {args.output} output tokens")
     quality = None if args.no_quality else measure_quality(backends, tokens, args.window)
     batches = [] if args.no_speed else args.batches
     header = ["mode", "weights MiB", "perplexity", "mean KL", "top-1 agree"]

@@ -101,6 +101,10 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _group_size(text: str) -> int | None:
+    return None if text == "auto" else int(text)
+
+
 def _optional_int(text: str) -> int | None:
     return None if text in ("", "none") else int(text)
 
@@ -152,8 +156,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "layers: int8 per channel, int4 in groups, or gguf (keep a GGUF file's Q8_0 / "
           "Q4_0 / Q4_1 blocks); see docs/quantization.md",
           choices=["none", "int8", "int4", "gguf"])
-    _flag(parser, "--quantization-group-size", 128, "int4 group size along the input "
-          "dimension", convert=int, choices=[32, 64, 128])
+    _flag(parser, "--quantization-group-size", "auto", "int4 group size along the input "
+          "dimension: 32, 64, 128, or auto (the largest that divides every projection's "
+          "input width; 32 for a GGUF already 4-bit in groups of 32; the load log says "
+          "which)", convert=_group_size, choices=[None, 32, 64, 128], metavar="{auto,32,64,128}")
     _flag(parser, "--cpu-kind", "auto", "run the path of this CPU kind (default: the CPU's "
           "own); a lower kind than the CPU offers can be forced, e.g. to check it",
           choices=["auto", "portable", "avx2", "avx512", "avx512_bf16"])

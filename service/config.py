@@ -60,7 +60,7 @@ class EngineArgs:
     progress: bool = False
     threads: int | None = None           # torch intra-op threads; None: torch's default
     quantization: str = "none"           # none, int8, int4, gguf (docs/quantization.md)
-    quantization_group_size: int = 128   # int4 only: 32, 64 or 128
+    quantization_group_size: int | None = None  # int4: 32, 64, 128; None: auto
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"      # fcfs | priority
     long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget

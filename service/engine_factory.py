@@ -19,7 +19,8 @@ from backends.loader import load_model, resolve_model, resolve_model_path
 from backends.loader.generation_config import apply_generation_config, generation_config_file
 from backends.loader.hub import hub_repo_name, is_hub_id
 from backends.progress import heartbeat
-from backends.quantization import GGUF_KEPT_TYPES, QuantizationError, QuantizationSpec
+from backends.quantization import (QuantizationError, QuantizationSpec, gguf_block_types,
+                                   resolve_group_size)
 from backends.tokenizer import Tokenizer
 from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
@@ -52,8 +53,10 @@ def _load(args: EngineArgs, path, quantization: QuantizationSpec, shard=None) ->
             f"--quantization gguf keeps a GGUF file's quantized blocks, but {str(path)!r} "
             f"is not a .gguf file; use int8 or int4 for other models")
     from backends.loader.gguf import load_gguf
+    # Every block type comes through undecoded: the quantization step keeps
+    # what a kernel runs and says what it did with the rest.
     return load_gguf(path, dtype=dtype, progress=args.progress,
-                     keep_quantized=GGUF_KEPT_TYPES)
+                     keep_quantized=gguf_block_types())
 
 
 def load_backend(args: EngineArgs, parallel=None, device: str | None = None,
@@ -113,6 +116,11 @@ def create_engine(args: EngineArgs) -> EngineCore:
         raise
     generation = apply_generation_config(args.generation_config, loaded.generation)
     config = loaded.config
+    projections = frozenset(fmt for name, fmt in loaded.source_formats.items()
+                            if name.endswith("_proj.weight"))
+    quantization, why = resolve_group_size(quantization, config, projections)
+    if why:
+        log.info(why)
     wanted_len = args.max_model_len or config.max_position_embeddings
     # A lone request must always fit the pool, or it could never finish.
     max_model_len = min(wanted_len, backend.kv_capacity_tokens)

@@ -28,7 +28,8 @@ from gguf import GGMLQuantizationType as T
 
 from backends.interface import SamplingParams
 from backends.loader.gguf import load_gguf
-from backends.quantization import QuantizationError, QuantizationSpec, resident_weight_bytes
+from backends.quantization import (QuantizationError, QuantizationSpec, resident_weight_bytes,
+                                   resolve_group_size)
 from backends.quantization.ggml import BlockInt8Linear, GGUFBlocks, q4_to_int4, q8_0_to_int8
 from backends.quantization.int4 import Int4Linear, quantize_int4
 from backends.quantization.int8 import Int8Linear, dequantize_int8, quantize_int8
@@ -355,7 +356,18 @@ def test_int4_group_that_does_not_divide_is_refused_before_any_compute(tiny_llam
     with pytest.raises(QuantizationError, match=r"group size 128 does not divide.*"
                                                 r"qkv_proj \(64\).*use --quantization-group-size "
                                                 r"32 or 64"):
-        make_engine(tiny_llama_dir, quantization="int4")  # default group 128, hidden 64
+        make_engine(tiny_llama_dir, quantization="int4", quantization_group_size=128)
+
+
+def test_int4_auto_group_stays_on_a_gguf_s_4bit_grid(tiny_gguf, caplog):
+    """Hidden 64 would take groups of 64; the tiny GGUF's projections are
+    Q4_0 / Q4_1 blocks of 32, so the engine picks 32 and says why."""
+    import logging
+    with caplog.at_level(logging.INFO):
+        core = make_engine(tiny_gguf, num_kv_blocks=16, quantization="int4")
+    assert {layer.qkv_proj.group_size for layer in core.backend.model.layers} == {32}
+    assert any("int4 group size 32: the projections already are Q4_0/Q4_1" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_gguf_mode_needs_a_gguf_file(tiny_llama_dir):
@@ -368,6 +380,7 @@ def test_bad_mode_and_group_size_are_typed_errors():
         QuantizationSpec("int3")
     with pytest.raises(QuantizationError, match="32, 64, 128"):
         QuantizationSpec("int4", 48)
+    assert QuantizationSpec("int4").group_size is None  # auto: resolve_group_size picks
 
 
 def test_cli_reports_an_impossible_combination(tiny_llama_dir, capsys, monkeypatch):
@@ -377,7 +390,7 @@ def test_cli_reports_an_impossible_combination(tiny_llama_dir, capsys, monkeypat
     # closed after it; later tests' log records would then fail to write.
     monkeypatch.setattr(telemetry.logs, "configure_logging", lambda **kwargs: None)
     rc = main(["generate", "--model", str(tiny_llama_dir), "--quantization", "int4",
-               "--kv-cache-memory", "1MiB", "Hello"])
+               "--quantization-group-size", "128", "--kv-cache-memory", "1MiB", "Hello"])
     assert rc == 2
     assert "does not divide the input width" in capsys.readouterr().err
 
@@ -473,7 +486,13 @@ def test_quality_on_the_embedded_model(quality_module):
     from backends.tokenizer import Tokenizer
     sources = q.load_sources(None)
     tokens = q.text_token_ids(Tokenizer(sources.loaded.tokenizer), 128)
-    chosen = q.variants(["int8", "int4", "gguf"], [32], "float32", sources)
+    # `--quantization int4` on the embedded model as it is: 576-wide layers
+    # (group 128 does not divide them) of Q4_1 blocks, so group 32.
+    projections = frozenset(f for name, f in sources.loaded.source_formats.items()
+                            if name.endswith("_proj.weight"))
+    auto, why = resolve_group_size(QuantizationSpec("int4"), sources.loaded.config, projections)
+    assert auto.group_size == 32 and "already are Q4_1" in why
+    chosen = q.variants(["int8", "int4", "gguf"], [auto.group_size], "float32", sources)
     backends = {v.label: q.build_backend(sources, v, 8) for v in chosen}
     figures = q.measure_quality(backends, tokens, 128)
     ref = figures[q.REFERENCE]

@@ -61,6 +61,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Per-dimension rotary frequency factors that llama.cpp writes for Llama 3.1+
 # instead of rope-scaling metadata; it becomes ModelConfig.rope_scaling.
 _ROPE_FREQS = "rope_freqs.weight"
+_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -84,12 +85,16 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     tokenizer = build_tokenizer_spec(reader.fields, source)
     weights = _read_weights(tensors.values(), config, dtype, progress, source,
                            frozenset(keep_quantized))
+    formats = {_hf_name(t.name, config.num_layers, source): t.tensor_type.name
+               for t in reader.tensors
+               if t.name != _ROPE_FREQS and t.tensor_type.name not in _PLAIN_TYPES}
     return LoadedModel(
         config=config,
         weights=weights,
         tokenizer=tokenizer,
         generation=_generation_defaults(reader.fields, tokenizer),
         source=source,
+        source_formats=formats,
     )
 
 

@@ -24,10 +24,11 @@ from backends.config import ModelConfig
 from backends.errors import ModelLoadError
 from backends.models.weight_spec import layer_linears, weight_spec
 from backends.quantization import kernels
-from backends.quantization.ggml import BlockInt8Linear, GGUFBlocks, q4_to_int4, q8_0_to_int8
+from backends.quantization.ggml import (INT4_TYPES, BlockInt8Linear, GGUFBlocks, q4_to_int4,
+                                        q8_0_to_int8)
 from backends.quantization.int4 import Int4Linear, Int4Weights
 from backends.quantization.int8 import Int8Linear
-from backends.quantization.spec import QuantizationSpec, check_spec
+from backends.quantization.spec import QuantizationSpec, check_spec, resolve_group_size
 
 log = logging.getLogger("baton.quantization")
 
@@ -39,6 +40,9 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
     became each module kind. Raises QuantizationError / ModelLoadError before
     any forward pass."""
     config: ModelConfig = model.config
+    spec, why = resolve_group_size(spec, config)
+    if why:
+        log.info(why)
     check_spec(spec, config)
     for kind in _kernels_needed(spec, weights):
         kernels.probe(kind, device, dtype)
@@ -47,13 +51,18 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
                        torch.device("meta"), dtype)
 
     kinds: Counter = Counter()
+    outcomes: Counter = Counter()  # gguf: what each kind of projection became
     linears = layer_linears(config)
     for name, (weight, bias_spec) in linears.items():
         tensors = [weights[source] for source in weight.sources]
         bias = None
         if bias_spec is not None:
             bias = torch.cat([weights[source] for source in bias_spec.sources])
-        module = _projection(spec, tensors, bias, device, dtype)
+        if spec.mode == "gguf":
+            module, outcome = _gguf_projection(tensors, bias, device, dtype)
+            outcomes[outcome] += 1
+        else:
+            module = _projection(spec, tensors, bias, device, dtype)
         kinds[type(module).__name__] += 1
         model.set_submodule(name, module)
 
@@ -72,6 +81,8 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
         raise ModelLoadError(f"quantized load left tensors unset: {left[:5]}")
     log.info("quantization %s: projections as %s", spec.describe(),
              ", ".join(f"{n} x{c}" for n, c in sorted(kinds.items())))
+    for outcome, count in sorted(outcomes.items()):
+        log.info("gguf: %d projection(s) %s", count, outcome)
     return kinds
 
 
@@ -115,24 +126,45 @@ def _projection(spec: QuantizationSpec, tensors: list[Any], bias: torch.Tensor |
     if spec.mode == "int4":
         return Int4Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias,
                                      spec.group_size, device, dtype)
-    return _gguf_projection(tensors, bias, device, dtype)
+    return _gguf_projection(tensors, bias, device, dtype)[0]
+
+
+# What torch lacks for the GGUF types the gguf mode dequantizes.
+_NO_KERNEL = {"Q5_0": "5-bit", "Q5_1": "5-bit", "Q5_K": "5-bit", "Q6_K": "6-bit",
+              "Q2_K": "2-bit", "Q3_K": "3-bit"}
 
 
 def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torch.device,
-                     dtype: torch.dtype) -> nn.Module:
-    """Parts of one fused module share a kernel only if they share a family;
-    a mix (say Q4_K q with Q8_0 v, or F16 beside Q4_0) runs dense."""
-    types = {t.ggml_type if isinstance(t, GGUFBlocks) else "dense" for t in tensors}
-    if types <= {"Q4_0", "Q4_1"}:
-        return Int4Linear(Int4Weights.cat([q4_to_int4(t) for t in tensors]), bias,
-                          device, dtype)
+                     dtype: torch.dtype) -> tuple[nn.Module, str]:
+    """The module for one (possibly fused) projection of a gguf-mode load,
+    and what it became, for the load log. Parts of one fused module share a
+    kernel only if they share a family; a mix (say Q5_0 q with Q8_0 v, or F16
+    beside Q4_0) runs dense."""
+    types = {t.ggml_type if isinstance(t, GGUFBlocks) else "unquantized" for t in tensors}
+    named = "+".join(sorted(types))
+    if types <= INT4_TYPES:
+        module = Int4Linear(Int4Weights.cat([q4_to_int4(t) for t in tensors]), bias,
+                            device, dtype)
+        return module, (f"{named} kept as int4 groups of 32 for torch's int4 kernel (codes "
+                        f"exact; scales and zeros in {module.scales_and_zeros.dtype})")
     if types == {"Q8_0"}:
         codes, scales = zip(*(q8_0_to_int8(t) for t in tensors))
-        return BlockInt8Linear(torch.cat(codes).to(device), torch.cat(scales).to(device),
-                               None if bias is None else bias.to(device=device, dtype=dtype))
+        module = BlockInt8Linear(torch.cat(codes).to(device), torch.cat(scales).to(device),
+                                 None if bias is None else bias.to(device=device, dtype=dtype))
+        return module, ("Q8_0 kept as int8 codes with an fp16 scale per 32 (exact; torch has "
+                        "no block-scaled int8 kernel, so each call expands them)")
     weight = torch.cat([_dense(t) for t in tensors]).to(device=device, dtype=dtype)
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         linear.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
-    return linear
+    name = str(dtype).removeprefix("torch.")
+    if types == {"unquantized"}:
+        return linear, f"unquantized in the file, held in {name}"
+    lacking = sorted(types - INT4_TYPES - {"Q8_0", "unquantized"})
+    if not lacking:
+        return linear, (f"{named} dequantized to {name}: the parts of one fused module "
+                        f"differ in type, and one kernel takes one layout")
+    widths = sorted({_NO_KERNEL.get(t, f"{t}-layout") for t in lacking})
+    return linear, (f"{named} dequantized to {name}: torch has no kernel for "
+                    f"{' or '.join(widths)} weights")

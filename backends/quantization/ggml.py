@@ -1,20 +1,25 @@
 """GGUF weights left quantized: the raw blocks the loader hands through, their
-lossless decoding into Int4Weights (Q4_0, Q4_1) or block-scaled int8 (Q8_0),
-and the module that runs Q8_0.
+lossless decoding into Int4Weights (Q4_0, Q4_1, Q4_K) or block-scaled int8
+(Q8_0), and the module that runs Q8_0.
 
-Block layouts (32 weights each, little-endian, as llama.cpp's ggml-common.h):
-  Q8_0: d fp16, then 32 int8 q                 w = d * q
-  Q4_0: d fp16, then 16 bytes                  w = d * (q - 8)
-  Q4_1: d fp16, m fp16, then 16 bytes          w = d * q + m
+Block layouts (little-endian, as llama.cpp's ggml-common.h):
+  Q8_0: 32 weights: d fp16, then 32 int8 q           w = d * q
+  Q4_0: 32 weights: d fp16, then 16 bytes            w = d * (q - 8)
+  Q4_1: 32 weights: d fp16, m fp16, then 16 bytes    w = d * q + m
 where in the 16 bytes, byte j holds weight j in its low nibble and weight
 j + 16 in its high nibble.
+  Q4_K: 256 weights: d fp16, dmin fp16, 12 bytes of eight 6-bit scales sc_j and
+        minimums m_j, then 128 bytes of nibbles (per 64 weights: 32 low nibbles,
+        then the same bytes' 32 high nibbles)       w = (d * sc_j) * q - dmin * m_j
+        for weight k in sub-block j = k // 32.
+Any other type (Q5_0, Q6_K ...) is only carried through so the quantization
+step can say what it became; it is dequantized there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +27,13 @@ from torch import nn
 from backends.quantization.int4 import Int4Weights, pack_nibbles
 from backends.quantization.spec import GGUF_BLOCK
 
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+
+
+def block_layout(ggml_type: str) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a GGML type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    return GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
 
 
 @dataclass(slots=True)
@@ -37,22 +48,22 @@ class GGUFBlocks:
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
-        expected = (rows, cols // GGUF_BLOCK * _BLOCK_BYTES[self.ggml_type])
-        if cols % GGUF_BLOCK or tuple(self.data.shape) != expected:
+        block, size = block_layout(self.ggml_type)
+        expected = (rows, cols // block * size)
+        if cols % block or tuple(self.data.shape) != expected:
             raise ValueError(f"{self.ggml_type} data of shape {tuple(self.data.shape)} "
                              f"cannot encode a {rows}x{cols} matrix")
 
     def blocks(self) -> torch.Tensor:
         """[rows, blocks per row, bytes per block]."""
-        return self.data.view(self.shape[0], -1, _BLOCK_BYTES[self.ggml_type])
+        return self.data.view(self.shape[0], -1, block_layout(self.ggml_type)[1])
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [rows, columns], by gguf-py (the loader's path for every
-        other type)."""
+        """float32 [rows, columns], as the loader decodes every other tensor."""
         from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-        array = dequantize(self.data.numpy(), GGMLQuantizationType[self.ggml_type])
-        return torch.from_numpy(np.asarray(array, dtype=np.float32).reshape(self.shape))
+
+        from backends.loader.gguf_dequant import dequantize
+        return dequantize(self.data.numpy(), GGMLQuantizationType[self.ggml_type], self.shape)
 
 
 def _fp16(fields: torch.Tensor) -> torch.Tensor:
@@ -61,8 +72,11 @@ def _fp16(fields: torch.Tensor) -> torch.Tensor:
 
 
 def q4_to_int4(blocks: GGUFBlocks) -> Int4Weights:
-    """Q4_0 / Q4_1 -> Int4Weights with group size 32, exactly: the codes are
-    the file's nibbles, scale = d, zero = m + 8d (Q4_1) or 0 (Q4_0)."""
+    """Q4_0 / Q4_1 / Q4_K -> Int4Weights with group size 32, exactly: the
+    codes are the file's nibbles, scale = d, zero = m + 8d (Q4_1) or 0 (Q4_0);
+    for Q4_K see q4_k_to_int4."""
+    if blocks.ggml_type == "Q4_K":
+        return q4_k_to_int4(blocks)
     raw = blocks.blocks()
     rows = blocks.shape[0]
     d = _fp16(raw[..., 0:2])
@@ -76,6 +90,27 @@ def q4_to_int4(blocks: GGUFBlocks) -> Int4Weights:
         raise ValueError(f"{blocks.ggml_type} is not a 4-bit GGUF type")
     codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, -1)
     return Int4Weights(pack_nibbles(codes), d, zeros, GGUF_BLOCK)
+
+
+def q4_k_to_int4(blocks: GGUFBlocks) -> Int4Weights:
+    """Q4_K -> Int4Weights with group size 32: a super-block's eight
+    sub-blocks of 32 are eight groups, with scale s = d * sc_j and zero
+    z = 8 s - dmin * m_j, so (q - 8) s + z = s q - dmin m_j. The codes are the
+    file's; s is exact in float32 (an 11-bit by a 6-bit integer), z is one
+    float32 rounding away from exact."""
+    from backends.loader.gguf_dequant import k_scale_min
+
+    raw = blocks.blocks()
+    rows, per_row = raw.shape[:2]
+    flat = raw.reshape(rows * per_row, -1)
+    d, dmin = _fp16(flat[:, 0:2]), _fp16(flat[:, 2:4])
+    sc, mn = k_scale_min(flat[:, 4:16])
+    scales = d[:, None] * sc.to(torch.float32)
+    zeros = 8.0 * scales - dmin[:, None] * mn.to(torch.float32)
+    nibbles = flat[:, 16:].reshape(-1, 4, 1, 32)
+    codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).reshape(rows, -1)
+    return Int4Weights(pack_nibbles(codes), scales.reshape(rows, -1),
+                       zeros.reshape(rows, -1), GGUF_BLOCK)
 
 
 def q8_0_to_int8(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,11 +14,17 @@ from backends.models.weight_spec import layer_linears
 
 MODES = ("none", "int8", "int4", "gguf")
 GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 128
-# GGUF block types kept quantized in memory by the gguf mode; every other
-# type is dequantized at load as in the default path.
-GGUF_KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
-GGUF_BLOCK = 32  # elements per Q8_0 / Q4_0 / Q4_1 block
+# None: the largest of GROUP_SIZES that divides every projection's input
+# width (resolve_group_size says which and why).
+DEFAULT_GROUP_SIZE = None
+# GGUF block types the gguf mode keeps quantized in memory: the 4-bit ones as
+# int4 groups of 32 for torch's int4 kernel, Q8_0 as block-scaled int8.
+# Every other type is dequantized, and the load log says so and why.
+GGUF_KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+GGUF_BLOCK = 32  # elements per Q8_0 / Q4_0 / Q4_1 block, and per Q4_K sub-block
+# 4-bit GGUF types whose weights already lie on a grid of groups of 32.
+GGUF_4BIT_G32 = ("Q4_0", "Q4_1", "Q4_K")
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 
 
 class QuantizationError(ModelLoadError):
@@ -34,13 +40,13 @@ class QuantizationSpec:
     Q8_0 / Q4_0 / Q4_1 blocks). ``group_size`` only matters for int4."""
 
     mode: str = "none"
-    group_size: int = DEFAULT_GROUP_SIZE
+    group_size: int | None = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise QuantizationError(
                 f"unknown quantization {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.group_size not in GROUP_SIZES:
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
             raise QuantizationError(
                 f"quantization group size must be one of "
                 f"{', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
@@ -50,7 +56,16 @@ class QuantizationSpec:
         return self.mode != "none"
 
     def describe(self) -> str:
-        return f"int4 (group {self.group_size})" if self.mode == "int4" else self.mode
+        if self.mode != "int4":
+            return self.mode
+        return f"int4 (group {self.group_size or 'auto'})"
+
+
+def gguf_block_types() -> frozenset[str]:
+    """Every GGML tensor type that is blocks rather than plain numbers: what
+    the loader hands the gguf mode undecoded, so it can say what each became."""
+    from gguf import GGMLQuantizationType
+    return frozenset(t.name for t in GGMLQuantizationType) - _FLOAT_TYPES
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -61,9 +76,43 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             if weight.linear.startswith("layers.0.")}
 
 
+def resolve_group_size(spec: QuantizationSpec, config: ModelConfig,
+                       source_formats: frozenset[str] = frozenset()) -> tuple[QuantizationSpec, str]:
+    """``spec`` with an int4 group size chosen when it has none, and why.
+
+    The rule: the largest of 128, 64, 32 that divides every projection's
+    input width. One exception: projections that already are 4-bit groups of
+    32 (``source_formats``, a GGUF's Q4_0 / Q4_1 / Q4_K) stay on their own
+    grid, group 32, where requantizing finds the same 16 levels again;
+    groups of 64 would put two of the file's groups on one grid (on the
+    embedded SmolLM2 that takes perplexity from 20.3 to 32.0,
+    docs/quantization.md)."""
+    if spec.mode != "int4" or spec.group_size is not None:
+        return spec, ""
+    widths = sorted({k for _n, k in projection_shapes(config).values()})
+    fits = [g for g in sorted(GROUP_SIZES, reverse=True) if all(k % g == 0 for k in widths)]
+    if not fits:
+        raise QuantizationError(
+            f"no int4 group size ({', '.join(map(str, GROUP_SIZES))}) divides the "
+            f"projections' input widths ({', '.join(map(str, widths))}); use int8")
+    width_text = " and ".join(map(str, widths))
+    already = sorted(source_formats & set(GGUF_4BIT_G32))
+    if already and 32 in fits and fits[0] != 32:
+        why = (f"int4 group size 32: the projections already are {'/'.join(already)}, "
+               f"4-bit in groups of 32, and stay on that grid (group {fits[0]}, the "
+               f"largest that divides {width_text}, would requantize them coarser; "
+               f"--quantization-group-size {fits[0]} forces it, --quantization gguf "
+               f"keeps the file's blocks as they are)")
+        return QuantizationSpec("int4", 32), why
+    why = (f"int4 group size {fits[0]}: the largest of "
+           f"{', '.join(map(str, sorted(GROUP_SIZES, reverse=True)))} that divides the "
+           f"projections' input widths ({width_text})")
+    return QuantizationSpec("int4", fits[0]), why
+
+
 def check_spec(spec: QuantizationSpec, config: ModelConfig) -> None:
     """Raise QuantizationError if ``spec`` cannot apply to ``config``'s shapes."""
-    if spec.mode != "int4":
+    if spec.mode != "int4" or spec.group_size is None:
         return
     widths = {name: k for name, (_n, k) in projection_shapes(config).items()}
     bad = {name: k for name, k in widths.items() if k % spec.group_size}
