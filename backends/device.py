@@ -1,6 +1,10 @@
-"""Device facts that decide defaults: which dtype is fast where."""
+"""Device facts that decide defaults (which dtype is fast where), and
+zeroed buffers that cost nothing until used."""
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -21,3 +25,18 @@ def resolve_dtype(name: str, device: str, cpu_kind: str = "auto") -> str:
     if cpu_kind != "auto":
         cpu = cpu.limited_to(cpu_kind)
     return "bfloat16" if cpu.native_bf16 else "float32"
+
+
+def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU it lies in anonymous memory the kernel
+    hands out zero-filled page by page on first touch, so a large KV pool
+    costs no start-up time (torch.zeros writes every byte: about a second per
+    GiB on a 2-core VM) and no resident memory until blocks are used. The
+    tensor holds the mapping alive."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

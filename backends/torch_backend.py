@@ -23,7 +23,7 @@ import torch
 
 from backends.attention import AttentionMetadata, PrefillSegment
 from backends.config import LoadedModel, ModelConfig
-from backends.device import DTYPES
+from backends.device import DTYPES, zeros_lazily
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
 from backends.execution import ExecutionPlan
@@ -119,9 +119,10 @@ class TorchBackend:
         shape = (num_slots, self.model_config.num_kv_heads, self.model_config.head_dim)
         # Zeroed, not empty: padded attention reads masked slots, and garbage
         # NaNs there would survive a zero attention weight (0 * nan = nan).
+        # Lazily: a CPU pool's pages are zeroed by the OS on first touch.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            (zeros_lazily(shape, self.kv_dtype, self.device),
+             zeros_lazily(shape, self.kv_dtype, self.device))
             for _ in range(self.config.num_layers)]
         self._whole_step = self._native_decode() if plan.whole_step_decode else None
 

@@ -719,4 +719,5 @@ def test_entrypoint_serves_a_mounted_model_folder(tmp_path, tiny_llama_dir):
     events = [json.loads(line)["event"] for line in log.read_text().splitlines()
               if line.startswith("{")]
     assert "ready" in events and events[-1] == "stopped"
-    assert any(e.startswith("warm-up:") for e in events)
+    warmed = next(i for i, e in enumerate(events) if e.startswith("warm-up:"))
+    assert warmed < events.index("ready")  # /health turned ready after the warm-up

@@ -72,7 +72,12 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops = ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) weight, the embedding skips its random init: that
+        # init's normal_ on the meta device imports torch._dynamo, 1.5-4 s of
+        # start-up for nothing (load_weights overwrites every value).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -1,0 +1,83 @@
+"""Start-up: progress lines off a terminal, the warm-up that runs before
+/health turns ready, and the KV pool that costs nothing until used."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from backends.device import zeros_lazily
+from backends.progress import Progress, heartbeat
+from service.warmup import BATCHES, OUTPUT_TOKENS, warm_up
+from tests.engine_helpers import make_engine
+
+
+def test_progress_lines_say_what_and_how_far(caplog):
+    with caplog.at_level(logging.INFO, logger="baton.progress"):
+        with Progress("reading model.gguf", 300 * 2**20, "B", interval=0.05) as progress:
+            for _ in range(3):
+                time.sleep(0.06)
+                progress.update(100 * 2**20)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("reading model.gguf: 100 MiB of 300 MiB (33%)")
+               for line in lines), lines
+    assert lines[-1].startswith("reading model.gguf: done, 300 MiB in ")
+
+
+def test_quick_steps_and_disabled_progress_write_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="baton.progress"):
+        with Progress("quick", 10, "tensors", interval=5.0) as progress:
+            progress.update(10)
+        with Progress("off", 10, interval=0.0, enabled=False) as progress:
+            progress.update(10)
+        with heartbeat("nothing to wait for", interval=5.0):
+            pass
+    assert not caplog.records
+
+
+def test_heartbeat_for_steps_that_cannot_count(caplog):
+    with caplog.at_level(logging.INFO, logger="baton.progress"):
+        with heartbeat("building the kernels", lambda: "3 of 4 files", interval=0.05):
+            time.sleep(0.18)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("building the kernels: 3 of 4 files, ") for line in lines)
+    assert lines[-1].startswith("building the kernels: done in ")
+
+
+def test_the_kv_pool_is_zero_and_costs_nothing_until_touched():
+    shape, dtype = (64 * 2**20, 2, 2), torch.bfloat16  # 512 MiB
+    rss = _rss_bytes()
+    pool = zeros_lazily(shape, dtype, torch.device("cpu"))
+    assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
+    if rss is not None:
+        assert _rss_bytes() - rss < 64 * 2**20  # not resident before use
+    assert not pool[::4096].any()  # reads zeros (and touches a few pages)
+    pool[123, 1, 0] = 2.5
+    assert float(pool.sum()) == 2.5
+    view = pool[100:200]
+    del pool
+    assert float(view.sum()) == 2.5  # the view keeps the mapping alive
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("max_num_seqs", [32, 2])
+def test_warm_up_runs_lone_and_batched_decodes_and_leaves_nothing(tiny_llama_dir,
+                                                                  max_num_seqs):
+    core = make_engine(tiny_llama_dir, max_num_seqs=max_num_seqs, num_kv_blocks=64)
+    report = warm_up(core)
+    batches = [min(b, max_num_seqs) for b in BATCHES]
+    assert report.requests == sum(batches)
+    # each batch: a prefill step and OUTPUT_TOKENS - 1 decode steps (at least)
+    assert report.steps >= len(batches) * OUTPUT_TOKENS
+    assert not any(core.state_sizes().values())
+    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
