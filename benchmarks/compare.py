@@ -14,12 +14,12 @@ other one (or the `--pair`s named), against the issue's goals. With
 `--rounds N` every server is measured N times, alternating, and the figures
 are medians over the rounds.
 
-`--workload shared-prefix|multi-turn|long-prefill` measures one of the
-prefix-cache and fairness workloads of benchmarks/workloads.py instead (each
-server in turn, same prompts for every server: the point is what each one's
-cache makes of them), with that workload's columns and goals; `--pair
-NAME:PEER:BOUND` replaces the bound of the workload's first goal for that pair
-(e.g. cache on against cache off, TTFT p50 <= 0.25).
+`--workload shared-prefix multi-turn long-prefill` (any of them) measures the
+prefix-cache and fairness workloads of benchmarks/workloads.py instead, each in
+turn on each server while it is up, with the same prompts for every server (the
+point is what each one's cache makes of them); a table and goal ratios per
+workload. `--pair NAME:PEER:BOUND` replaces the bound of each workload's first
+goal for that pair (e.g. cache on against cache off, TTFT p50 <= 0.25).
 
     .venv/bin/python benchmarks/compare.py \\
         --server baton=http://127.0.0.1:8000 --server vllm=http://127.0.0.1:8001 \\
@@ -50,8 +50,10 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve_load import (LoadResult, LoadSetupError, fetch_model_id,  # noqa: E402
-                                   normalize_base_url, run_cli, run_load)
-from benchmarks.workloads import add_workload_args, run_workload, workload_options  # noqa: E402
+                                   normalize_base_url, run_cli, run_load,
+                                   wait_until_serving)
+from benchmarks.workloads import (add_workload_args, check_workload_args,  # noqa: E402
+                                  run_workload, workload_options)
 
 # (label, concurrency, LoadResult attribute, format)
 COLUMNS = [
@@ -169,45 +171,40 @@ async def measure(name: str, base_url: str, args: argparse.Namespace,
 
 async def _warm_up(name: str, base_url: str, model: str, args: argparse.Namespace,
                    common: dict) -> None:
-    """One short request; a server that listens before its model is loaded
-    answers 503 until then, so that is retried (up to --start-timeout)."""
-    deadline = time.monotonic() + args.start_timeout
-    while True:
-        warm = await run_load(base_url, model, 1, 1, output_len=min(4, args.output_len),
-                              first_request=0, **common)
-        if not warm.num_errors:
-            return
-        rec = warm.requests[0]
-        if rec.error != "http 503" or time.monotonic() > deadline:
-            raise LoadSetupError(f"{name}: warm-up request failed: {rec.error}: "
-                                 f"{rec.error_detail}")
-        await asyncio.sleep(1.0)
-
-
-async def measure_workload(name: str, base_url: str, args: argparse.Namespace,
-                           seed: int) -> dict:
-    """One --workload against one server: its figures."""
-    model = await fetch_model_id(base_url, args.api_key, 30.0)
-    # the warm-up's prompt is drawn from another seed than the workload's
-    await _warm_up(name, base_url, model, args,
-                   dict(prompt_len=8, seed=seed + 1, vocab=args.vocab, api_key=args.api_key,
-                        timeout=args.timeout))
     try:
-        figures = await run_workload(args.workload, base_url, model, seed,
-                                     workload_options(args))
-    except RuntimeError as exc:
+        await wait_until_serving(base_url, model, args.api_key, args.start_timeout,
+                                 seed=common["seed"], vocab=args.vocab)
+    except LoadSetupError as exc:
         raise LoadSetupError(f"{name}: {exc}") from None
-    cells = [f"{label} {_fmt(figures.get(key), fmt)}"
-             for label, key, fmt in WORKLOAD_COLUMNS[args.workload]]
-    print(f"  {name}: " + ", ".join(cells), flush=True)
-    return figures
+
+
+async def measure_workloads(name: str, base_url: str, args: argparse.Namespace,
+                            seed: int) -> dict[str, dict]:
+    """Each --workload against one server, in turn: {workload: figures}."""
+    model = await fetch_model_id(base_url, args.api_key, 30.0)
+    # the warm-up's prompt is drawn from another seed than the workloads'
+    await _warm_up(name, base_url, model, args, dict(seed=seed + 1))
+    out = {}
+    for workload in args.workload_names:
+        try:
+            figures = await run_workload(workload, base_url, model, seed,
+                                         workload_options(args, workload))
+        except RuntimeError as exc:
+            raise LoadSetupError(f"{name}: {workload}: {exc}") from None
+        cells = [f"{label} {_fmt(figures.get(key), fmt)}"
+                 for label, key, fmt in WORKLOAD_COLUMNS[workload]]
+        print(f"  {name} {workload}: " + ", ".join(cells), flush=True)
+        out[workload] = figures
+    return out
 
 
 def figure_table(all_figures: dict[str, list[dict]], workload: str) -> list[str]:
+    """``all_figures``: per server, per round, {workload: figures}."""
     columns = WORKLOAD_COLUMNS[workload]
     lines = ["| server | " + " | ".join(c[0] for c in columns) + " |",
              "|---|" + "---:|" * len(columns)]
     for name, rounds in all_figures.items():
+        rounds = [r[workload] for r in rounds]
         cells = [_fmt(_median(rounds, key), fmt) for _label, key, fmt in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
@@ -228,7 +225,8 @@ def figure_ratios(all_figures: dict[str, list[dict]], workload: str,
         for index, (desc, key, op, bound) in enumerate(WORKLOAD_GOALS[workload]):
             if index == 0:
                 bound = bounds.get((first, other), bound)
-            a, b = _median(all_figures[first], key), _median(all_figures[other], key)
+            a = _median([r[workload] for r in all_figures[first]], key)
+            b = _median([r[workload] for r in all_figures[other]], key)
             if a is None or not b:
                 continue
             ratio = a / b
@@ -315,6 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, metavar="OUT.json")
     add_workload_args(ap)
     args = ap.parse_args(argv)
+    check_workload_args(ap, args)
     args.servers = parse_pairs(args.server, "--server")
     args.starts = parse_pairs(args.start, "--start")
     if len(args.servers) < 2:
@@ -358,12 +357,12 @@ async def _main(args: argparse.Namespace) -> int:
                 if started:
                     print(f"starting {name} (round {round_index + 1}) ...", flush=True)
                     await started.wait_ready(base, args.start_timeout)
-                if args.workload != "random":
+                if args.workload_names:
                     # the same prompts for every server; a fresh seed per
                     # round (a server kept running would still have them)
                     run_seed = seed + 7_919_993 * round_index
                     all_results[name].append(
-                        await measure_workload(name, base, args, run_seed))
+                        await measure_workloads(name, base, args, run_seed))
                     continue
                 # A distinct seed per server and round: no prompt is ever resent.
                 run_seed = seed + 1_000_003 * k + 7_919_993 * round_index
@@ -371,8 +370,8 @@ async def _main(args: argparse.Namespace) -> int:
             finally:
                 if started:
                     started.stop()
-    if args.workload != "random":
-        return _report_workload(args, date, seed, all_results)
+    if args.workload_names:
+        return _report_workloads(args, date, seed, all_results)
     print()
     print(f"{date} · prompt {args.prompt_len} random token ids · output {args.output_len} "
           f"tokens (ignore_eos, temperature 0, streaming) · requests per concurrency "
@@ -397,24 +396,26 @@ async def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_workload(args: argparse.Namespace, date: str, seed: int,
-                     all_results: dict[str, list[dict]]) -> int:
-    print()
-    print(f"{date} · workload {args.workload} · {workload_options(args) | {'api_key': None}} "
-          f"· median of {args.rounds} round(s)")
-    print()
-    for line in figure_table(all_results, args.workload):
-        print(line)
-    lines, report = figure_ratios(all_results, args.workload, args.pairs, args.pair_bounds)
-    print()
-    for line in lines:
-        print(line)
+def _report_workloads(args: argparse.Namespace, date: str, seed: int,
+                      all_results: dict[str, list[dict]]) -> int:
+    report = {"date": date, "seed": seed, "rounds": args.rounds, "servers": all_results,
+              "workloads": {}}
+    for workload in args.workload_names:
+        options = workload_options(args, workload) | {"api_key": None}
+        print()
+        print(f"{date} · workload {workload} · {options} · median of {args.rounds} round(s)")
+        print()
+        for line in figure_table(all_results, workload):
+            print(line)
+        lines, ratios_report = figure_ratios(all_results, workload, args.pairs,
+                                             args.pair_bounds)
+        print()
+        for line in lines:
+            print(line)
+        report["workloads"][workload] = {"options": options, "ratios": ratios_report}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": date, "seed": seed, "workload": args.workload,
-                       "options": workload_options(args) | {"api_key": None},
-                       "rounds": args.rounds, "servers": all_results, "ratios": report},
-                      f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
 
 

@@ -463,9 +463,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, metavar="OUT.json", help="write all figures here")
     _workloads().add_workload_args(ap)
     args = ap.parse_args(argv)
+    _workloads().check_workload_args(ap, args)
     if min(args.concurrency) < 1 or (args.num_requests is not None and args.num_requests < 1):
         ap.error("--concurrency and --num-requests must be at least 1")
     return args
+
+
+async def wait_until_serving(base_url: str, model: str, api_key: str | None = None,
+                             deadline_s: float = 600.0, seed: int = 0,
+                             vocab: int = DEFAULT_VOCAB) -> None:
+    """Send one short request until it succeeds; a server that listens before
+    its model is loaded answers 503 meanwhile (retried until ``deadline_s``)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        warm = await run_load(base_url, model, 1, 1, 8, 4, seed=seed, vocab=vocab,
+                              api_key=api_key, timeout=min(deadline_s, 300.0))
+        if not warm.num_errors:
+            return
+        rec = warm.requests[0]
+        if rec.error != "http 503" or time.monotonic() > deadline:
+            raise LoadSetupError(f"warm-up request failed: {rec.error}: {rec.error_detail}")
+        await asyncio.sleep(1.0)
 
 
 def _workloads():
@@ -482,30 +500,35 @@ def _workloads():
 async def _main_workload(args: argparse.Namespace, base: str, seed: int) -> int:
     workloads = _workloads()
     model = args.model or await fetch_model_id(base, args.api_key, min(args.timeout, 30.0))
-    options = workloads.workload_options(args)
-    try:
-        figures = await workloads.run_workload(args.workload, base, model, seed, options)
-    except RuntimeError as exc:
-        print(f"serve_load: {exc}", file=sys.stderr)
-        return 1
+    if not args.no_warmup:
+        await wait_until_serving(base, model, args.api_key, seed=seed + 1, vocab=args.vocab)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"{date} · {base} · model `{model}` · workload {args.workload} · "
-          f"{options | {'api_key': None}} · seed {seed}")
-    for key, value in figures.items():
-        if key != "result":
-            print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+    report = {"date": date, "base_url": base, "model": model, "seed": seed, "workloads": {}}
+    for workload in args.workload_names:
+        options = workloads.workload_options(args, workload)
+        try:
+            figures = await workloads.run_workload(workload, base, model, seed, options)
+        except RuntimeError as exc:
+            print(f"serve_load: {workload}: {exc}", file=sys.stderr)
+            return 1
+        print(f"{date} · {base} · model `{model}` · workload {workload} · "
+              f"{options | {'api_key': None}} · seed {seed}")
+        for key, value in figures.items():
+            if key != "result":
+                print(f"  {key}: {value:.4g}" if isinstance(value, float)
+                      else f"  {key}: {value}")
+        report["workloads"][workload] = {"options": options | {"api_key": None},
+                                         "figures": figures}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": date, "base_url": base, "model": model, "seed": seed,
-                       "workload": args.workload, "options": options | {"api_key": None},
-                       "figures": figures}, f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
 
 
 async def _main(args: argparse.Namespace) -> int:
     base = normalize_base_url(args.base_url)
     seed = secrets.randbits(63) if args.seed is None else args.seed
-    if args.workload != "random":
+    if args.workload_names:
         return await _main_workload(args, base, seed)
     common = dict(prompt_len=args.prompt_len, seed=seed, vocab=args.vocab,
                   text_prompts=args.text_prompts, api_key=args.api_key, timeout=args.timeout)

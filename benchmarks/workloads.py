@@ -204,9 +204,9 @@ def _figures(r: LoadResult) -> dict[str, Any]:
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workload", default="random", choices=("random", *WORKLOADS),
-                    help="random: fresh random prompts at each --concurrency; the others: "
-                         "benchmarks/workloads.py")
+    ap.add_argument("--workload", nargs="+", default=["random"], choices=("random", *WORKLOADS),
+                    help="random: fresh random prompts at each --concurrency; or one or "
+                         "more of the workloads of benchmarks/workloads.py, run in turn")
     ap.add_argument("--users", type=int, default=None,
                     help="shared-prefix (default 32) and multi-turn (16) clients at once")
     ap.add_argument("--requests-per-user", type=int, default=2, help="shared-prefix")
@@ -220,14 +220,22 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-short", type=int, default=8, help="long-prefill")
 
 
-def workload_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of the chosen workload's run_* function."""
+def check_workload_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if "random" in args.workload and len(args.workload) > 1:
+        ap.error("--workload random runs alone")
+    args.workload_names = [] if args.workload == ["random"] else list(dict.fromkeys(args.workload))
+
+
+def workload_options(args: argparse.Namespace, workload: str) -> dict[str, Any]:
+    """The keyword arguments of ``workload``'s run_* function."""
     common = dict(output_len=args.output_len, api_key=args.api_key, timeout=args.timeout)
-    if args.workload == "shared-prefix":
+    if workload == "long-prefill":
+        common["output_len"] = min(args.output_len, 16)   # only the first token matters
+    if workload == "shared-prefix":
         return dict(users=args.users or 32, requests_per_user=args.requests_per_user,
                     prefix_len=args.prefix_len, question_len=args.question_len,
                     vocab=args.vocab, **common)
-    if args.workload == "multi-turn":
+    if workload == "multi-turn":
         return dict(users=args.users or 16, turns=args.turns, context_words=args.context_words,
                     question_words=args.question_words, **common)
     return dict(long_len=args.long_len, short_len=args.short_len, num_short=args.num_short,

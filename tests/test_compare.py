@@ -116,8 +116,9 @@ async def test_workload_table_same_prompts_for_each_server_and_pair_bounds(
     b_url, b = await fake_server(tokens_per_chunk=1)
     out = tmp_path / "w.json"
     args = compare.parse_args([
-        "--server", f"on={a_url}", "--server", f"off={b_url}", "--workload", "shared-prefix",
-        "--users", "3", "--requests-per-user", "2", "--prefix-len", "40",
+        "--server", f"on={a_url}", "--server", f"off={b_url}",
+        "--workload", "shared-prefix", "long-prefill", "--long-len", "40", "--short-len", "5",
+        "--num-short", "2", "--users", "3", "--requests-per-user", "2", "--prefix-len", "40",
         "--question-len", "5", "--output-len", "4", "--seed", "9", "--vocab", "3000",
         "--pair", "on:off:0.25", "--json", str(out)])
     assert await compare._main(args) == 0
@@ -126,10 +127,16 @@ async def test_workload_table_same_prompts_for_each_server_and_pair_bounds(
            "| cached share |" in printed
     assert "on / off: TTFT p50 ratio" in printed and "(goal <= 0.25)" in printed
     assert "on / off: output tok/s ratio" in printed and "(goal >= 1.0)" in printed
-    # the workload's prompts are the same for both servers (after each warm-up)
-    assert a.prompts[1:] == b.prompts[1:] and len(a.prompts) == 1 + 1 + 6
+    assert "| server | short TTFT p50 idle (ms) | short TTFT p50 during (ms) |" in printed
+    assert "on / off: short TTFT p50 during long prefill ratio" in printed
+    # the workloads' prompts are the same for both servers (after each warm-up)
+    assert a.prompts[1:] == b.prompts[1:]
+    assert len(a.prompts) == 1 + (1 + 6) + (2 + 1 + 2)
     report = json.loads(out.read_text())
-    assert report["workload"] == "shared-prefix"
-    assert report["servers"]["on"][0]["num_ok"] == 6
-    assert report["servers"]["on"][0]["cached_share"] == pytest.approx(32 / 45)
-    assert [r["bound"] for r in report["ratios"]] == [0.25, 1.0]
+    figures = report["servers"]["on"][0]["shared-prefix"]
+    assert figures["num_ok"] == 6
+    assert figures["cached_share"] == pytest.approx(32 / 45)
+    ratios = report["workloads"]["shared-prefix"]["ratios"]
+    assert [r["bound"] for r in ratios] == [0.25, 1.0]
+    assert report["servers"]["off"][0]["long-prefill"]["long_ttft_ms"] > 0
+    assert report["workloads"]["long-prefill"]["options"]["output_len"] == 4
