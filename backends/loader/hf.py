@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
-from tqdm import tqdm
 
 from backends.config import (
     SUPPORTED_ARCHITECTURES,
@@ -31,6 +29,7 @@ from backends.config import (
 )
 from backends.errors import ModelLoadError, UnsupportedArchitectureError
 from backends.loader.generation_config import parse_generation_config
+from backends.progress import Progress
 from backends.models.weight_spec import checkpoint_shapes
 
 _ARCH_BY_CLASS = {
@@ -198,8 +197,8 @@ def _load_weights(folder: Path, dtype: torch.dtype, progress: bool,
                   sharder=None) -> dict[str, torch.Tensor]:
     names_by_file = _weight_files(folder)
     total = sum(len(names) for names in names_by_file.values())
-    bar = tqdm(total=total, desc=f"loading {folder.name}", unit="tensor",
-               disable=not (progress and sys.stderr.isatty()))
+    # A bar on a terminal, a line every few seconds elsewhere.
+    bar = Progress(f"loading {folder.name}", total, "tensors", enabled=progress)
     weights: dict[str, torch.Tensor] = {}
     with bar:
         for file, names in names_by_file.items():
