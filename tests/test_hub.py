@@ -146,3 +146,89 @@ def test_baton_generate_takes_a_hub_id(hub_cache, capsys):
     rc = main(["generate", "baton-test/absent", "hello", "--download-dir", str(hub_cache)])
     assert rc == 2
     assert "not in the Hugging Face cache" in capsys.readouterr().err
+
+
+# ------------------------------------------- downloading from a (fake) Hub
+
+FAKE_HUB = r'''
+import hashlib, json, sys, time
+from pathlib import Path
+from aiohttp import web
+
+files = {p.name: p.read_bytes() for p in Path(sys.argv[1]).iterdir() if p.is_file()}
+files["pytorch_model.bin"] = b"never fetched"
+commit = "c0ffee" + "0" * 34
+
+def tree(request):
+    return web.json_response([{"type": "file", "path": n, "size": len(b),
+                               "oid": hashlib.sha1(b).hexdigest()} for n, b in files.items()])
+
+def revision(request):
+    return web.json_response({"id": "baton-test/remote", "sha": commit,
+                              "siblings": [{"rfilename": n} for n in files]})
+
+async def resolve(request):
+    name = request.match_info["path"]
+    if name not in files:
+        return web.Response(status=404, headers={"X-Error-Code": "EntryNotFound"})
+    body = files[name]
+    headers = {"X-Repo-Commit": commit, "ETag": '"%s"' % hashlib.sha256(body).hexdigest(),
+               "Content-Length": str(len(body)), "Accept-Ranges": "bytes"}
+    if request.method == "HEAD":
+        return web.Response(headers=headers)
+    if name == "model.safetensors":
+        time.sleep(0.6)  # slow enough for a progress line
+    return web.Response(body=body, headers=headers)
+
+app = web.Application()
+app.router.add_get("/api/models/{org}/{name}/tree/{rev}", tree)
+app.router.add_get("/api/models/{org}/{name}/revision/{rev}", revision)
+app.router.add_get("/{org}/{name}/resolve/{rev}/{path}", resolve)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), print=lambda *a: print("up", flush=True))
+'''
+
+DOWNLOAD = r'''
+import logging, sys
+logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
+from backends.loader.hub import download_model
+print("PATH", download_model("baton-test/remote", download_dir=sys.argv[1], progress=True))
+'''
+
+
+def test_a_hub_id_is_downloaded_into_the_cache_with_progress_lines(tmp_path, tiny_llama_dir,
+                                                                   monkeypatch):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    hub = subprocess.Popen([sys.executable, "-c", FAKE_HUB, str(tiny_llama_dir), str(port)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert hub.stdout.readline().strip() == "up"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "BATON_"))}
+        env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HUB_DISABLE_XET="1",
+                   BATON_PROGRESS_INTERVAL="0.2", HF_HOME=str(tmp_path / "home"))
+        cache = tmp_path / "cache"
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", DOWNLOAD, str(cache)], env=env,
+                              capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        hub.terminate()
+        hub.wait(timeout=30)
+    path = Path(done.stdout.split("PATH ", 1)[1].strip())
+    assert path == cache / "models--baton-test--remote" / "snapshots" / ("c0ffee" + "0" * 34)
+    assert (path / "model.safetensors").read_bytes() == \
+        (tiny_llama_dir / "model.safetensors").read_bytes()
+    assert not (path / "pytorch_model.bin").exists()  # only what Baton reads
+    assert "baton.progress: downloading baton-test/remote: " in done.stderr
+    assert time.monotonic() - started < 120
+    # and from now on the cache serves it offline
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("baton-test/remote", download_dir=str(cache)) == path
