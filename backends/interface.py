@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from backends.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from backends.quantization.spec import QuantizationSpec
 
 
 # Admission limits on what a request may ask for; each bounds work or memory
@@ -248,6 +251,7 @@ class Backend(Protocol):
     kv_capacity_tokens: int   # num_kv_blocks * block_size
     num_parameters: int       # the trained model's, whatever the storage
     weight_bytes: int         # memory the weights occupy (for the load log)
+    quantization: QuantizationSpec  # as applied (an int4 group size resolved)
 
     def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
         """Run one forward pass over the scheduled tokens and sample."""

@@ -31,7 +31,7 @@ from backends.linear import swap_linears
 from backends.models.decoder import DecoderLM
 from backends.ops import TORCH_OPS, native_cpu_ops
 from backends.parallel.group import ForwardRow, TensorParallelGroup
-from backends.quantization.spec import QuantizationSpec
+from backends.quantization.spec import QuantizationSpec, projection_formats
 from backends.rope import rope_table
 from backends.sampler import PenaltyInputs, SamplingBatch, sample
 
@@ -94,7 +94,13 @@ class TorchBackend:
         with torch.device("meta"):
             self.model = DecoderLM(self.model_config, self.ops, cos_table, sin_table)
         if self.quantization.enabled:
-            from backends.quantization import load_quantized
+            from backends.quantization import load_quantized, resolve_group_size
+            # The group size is chosen here, where the file's formats are
+            # known: a GGUF's 4-bit projections keep their groups of 32.
+            self.quantization, why = resolve_group_size(
+                self.quantization, self.model_config, projection_formats(loaded.source_formats))
+            if why and (parallel is None or parallel.rank == 0):
+                log.info(why)
             load_quantized(self.model, loaded.weights, self.quantization, self.device, act)
         else:
             weights = loaded.weights

@@ -19,8 +19,7 @@ from backends.loader import load_model, resolve_model, resolve_model_path
 from backends.loader.generation_config import apply_generation_config, generation_config_file
 from backends.loader.hub import hub_repo_name, is_hub_id
 from backends.progress import heartbeat
-from backends.quantization import (QuantizationError, QuantizationSpec, gguf_block_types,
-                                   resolve_group_size)
+from backends.quantization import QuantizationError, QuantizationSpec, gguf_block_types
 from backends.tokenizer import Tokenizer
 from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
@@ -116,11 +115,6 @@ def create_engine(args: EngineArgs) -> EngineCore:
         raise
     generation = apply_generation_config(args.generation_config, loaded.generation)
     config = loaded.config
-    projections = frozenset(fmt for name, fmt in loaded.source_formats.items()
-                            if name.endswith("_proj.weight"))
-    quantization, why = resolve_group_size(quantization, config, projections)
-    if why:
-        log.info(why)
     wanted_len = args.max_model_len or config.max_position_embeddings
     # A lone request must always fit the pool, or it could never finish.
     max_model_len = min(wanted_len, backend.kv_capacity_tokens)
@@ -144,7 +138,7 @@ def create_engine(args: EngineArgs) -> EngineCore:
              "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, "
              "prefix caching %s, scheduling %s, %.1fs",
              loaded.source or config.name, backend.num_parameters / 1e6,
-             args.dtype, quantization.describe(), backend.weight_bytes / 2**20,
+             args.dtype, backend.quantization.describe(), backend.weight_bytes / 2**20,
              args.device + (f", tensor parallel {args.parallel.tensor_parallel_size} "
                             f"(weights and KV per rank)" if group is not None else ""),
              backend.kv_capacity_tokens, backend.num_kv_blocks,

@@ -9,11 +9,12 @@ where.
 
 from backends.quantization.spec import (DEFAULT_GROUP_SIZE, GGUF_KEPT_TYPES, GROUP_SIZES,
                                         MODES, QuantizationError, QuantizationSpec,
-                                        check_spec, gguf_block_types, resolve_group_size)
+                                        check_spec, gguf_block_types, projection_formats,
+                                        resolve_group_size)
 
 __all__ = ["DEFAULT_GROUP_SIZE", "GGUF_KEPT_TYPES", "GROUP_SIZES", "MODES",
            "QuantizationError", "QuantizationSpec", "check_spec", "gguf_block_types",
-           "resolve_group_size", "load_quantized",
+           "projection_formats", "resolve_group_size", "load_quantized",
            "resident_weight_bytes"]
 
 

@@ -6,6 +6,7 @@ Pure Python (no torch): service/ builds a QuantizationSpec from CLI flags.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from backends.config import ModelConfig
@@ -74,6 +75,12 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     return {weight.linear.partition(".")[2].partition(".")[2]: weight.shape
             for weight, _bias in layer_linears(config).values()
             if weight.linear.startswith("layers.0.")}
+
+
+def projection_formats(source_formats: Mapping[str, str]) -> frozenset[str]:
+    """The storage formats (GGML type names) of a file's projection weights,
+    from ``LoadedModel.source_formats``."""
+    return frozenset(fmt for name, fmt in source_formats.items() if name.endswith("_proj.weight"))
 
 
 def resolve_group_size(spec: QuantizationSpec, config: ModelConfig,
