@@ -291,11 +291,12 @@ def parse_serve_argv(argv: list[str]):
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from service.scale_flags import replica_set_from, wants_replicas
+    from service.scale_flags import check_compatible, replica_set_from, wants_replicas
     from service.serve import run_server
 
     config = server_config_from(ns)
     engine_args = engine_args_from(ns, seed=ns.seed)
+    check_compatible(engine_args, config)
     if engine_args.parallel.node_rank > 0:
         # Another node of a multi-node tensor-parallel engine: only its ranks.
         from service.tensor_parallel import run_node

@@ -60,5 +60,14 @@ def replica_set_from(ns: argparse.Namespace, engine_args):
                       target_ongoing_requests=max(1, engine_args.max_num_seqs // 2))
 
 
+def check_compatible(engine_args, config) -> None:
+    """Refuse settings tensor parallelism cannot honour."""
+    if engine_args.parallel.enabled and config.step_timeout is not None:
+        raise ValueError(
+            "--step-timeout cannot be used with --tensor-parallel-size: a step abandoned in "
+            "the middle of its collectives would leave the ranks out of step; "
+            "--distributed-timeout bounds a hung rank instead")
+
+
 def wants_replicas(ns: argparse.Namespace) -> bool:
     return ns.data_parallel_size > 1 or ns.max_replicas is not None

@@ -109,6 +109,12 @@ def test_cli_flags_reach_the_parallel_config():
         master_port=29400, timeout=30.0)
 
 
+def test_serve_refuses_a_step_timeout_with_tensor_parallelism(capsys):
+    from service.cli import main
+    assert main(["serve", "--tensor-parallel-size", "2", "--step-timeout", "5"]) == 2
+    assert "--distributed-timeout" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------- agreement
 def _prompts(lengths, seed: int) -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(seed)
