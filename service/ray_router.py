@@ -15,15 +15,11 @@ messages in order): the router never tokenizes, and a shared text prefix
 is, but for the last partial piece, a shared token prefix. The index maps
 each chained hash to the replica that last received it (least recently used
 entries go first, past ``capacity``).
-
-A caller may also name the replica (``target_replica`` keyword, the full
-replica id): the ingress does so to collect every replica's metrics.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 import random
 from collections import OrderedDict
@@ -34,18 +30,6 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 log = logging.getLogger("baton.router")
 
 ROUTING_KEY = "routing_key"
-TARGET_REPLICA = "target_replica"
-
-# The routers of this process (one per deployment handle), by deployment
-# name: the ingress reads the live replica set from them.
-ROUTERS: dict[str, list] = {}
-
-
-def replica_ids(deployment: str) -> list[str]:
-    """Every replica this process's routers of ``deployment`` know now."""
-    return sorted({rid.to_full_id_str() for router in ROUTERS.get(deployment, ())
-                   for rid in router.curr_replicas})
-
 
 def prefix_hashes(text: str, chunk_chars: int) -> list[bytes]:
     """Chained hashes of the text's whole ``chunk_chars`` pieces."""
@@ -69,10 +53,6 @@ class PrefixAwareRouter(RequestRouter):
         self.imbalance = imbalance
         self.capacity = capacity
         self._index: OrderedDict[bytes, str] = OrderedDict()
-        # Ray Serve may hand this process a copy of the class pickled by value,
-        # whose globals are copies too: register in the module itself.
-        registry = importlib.import_module(__name__).ROUTERS
-        registry.setdefault(self._deployment_id.name, []).append(self)
 
     # ------------------------------------------------------------- choosing
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -87,9 +67,6 @@ class PrefixAwareRouter(RequestRouter):
             # queue-length probes it waits for).
             pending_request.routing_context.should_backoff = True
         kwargs = pending_request.kwargs if pending_request is not None else {}
-        target = kwargs.get(TARGET_REPLICA)
-        if target is not None:
-            return [[r for r in candidate_replicas if r.replica_id.to_full_id_str() == target]]
         # Equally loaded replicas (an idle application) take turns at random.
         by_load = sorted(candidate_replicas, key=lambda r: (self.load(r), random.random()))
         holder = self._holder(kwargs.get(ROUTING_KEY), candidate_replicas)

@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from service.config import EngineArgs, ServerConfig
-from service.ray_router import ROUTING_KEY, TARGET_REPLICA, replica_ids
+from service.ray_router import ROUTING_KEY
 
 log = logging.getLogger("baton.ray")
 
@@ -48,6 +48,8 @@ REPLICA_HEADER = "x-baton-replica"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
                "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection"}
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# /metrics and /health wait this long for every replica's answer.
+FAN_OUT_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,14 +152,13 @@ class BatonReplica:
             async for chunk in response.content.iter_any():
                 yield chunk
 
-    async def metrics(self, headers: list[tuple[str, str]], **routing: Any
-                      ) -> tuple[str, int, str]:
+    async def metrics(self, headers: list[tuple[str, str]]) -> tuple[str, int, str]:
         """(replica id, status, exposition text) of this replica's /metrics."""
         await self._started()
         async with self._session.get(self._base_url + "/metrics", headers=headers) as resp:
             return self.replica_id, resp.status, await resp.text()
 
-    async def health(self, **routing: Any) -> tuple[str, bool, str]:
+    async def health(self) -> tuple[str, bool, str]:
         await self._started()
         health = self._state.engine.health()
         return self.replica_id, health.ok, health.reason
@@ -251,15 +252,22 @@ class BatonIngress:
         return StreamingResponse(rest(), status_code=head["status"],
                                  headers=dict(head["headers"]))
 
-    def _replica_ids(self) -> list[str]:
-        return replica_ids(self._replicas.deployment_name)
-
     async def _each_replica(self, method: str, *args) -> list:
-        calls = [getattr(self._replicas, method).remote(*args, **{TARGET_REPLICA: rid})
-                 for rid in self._replica_ids()]
-        if not calls:  # the router has not met the replicas yet: any one
-            calls = [getattr(self._replicas, method).remote(*args)]
-        return await asyncio.gather(*calls, return_exceptions=True)
+        """Every running replica's answer to ``method`` (an exception in place
+        of a replica's answer where it failed).
+
+        Ray Serve's broadcast, not one routed call per replica: calls made
+        while serving one request share its request id, and the router
+        matches a chosen replica to its pending call by that id, so
+        concurrent routed calls could leave one of them waiting forever.
+        """
+        try:
+            response = self._replicas.broadcast(method, *args)
+            return await response.results_async(timeout_s=FAN_OUT_TIMEOUT_S,
+                                                return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - none running, or too slow to answer
+            log.warning("replicas did not answer %s: %s: %s", method, type(exc).__name__, exc)
+            return []
 
     async def _metrics(self, headers: list[tuple[str, str]]) -> Response:
         from service.replica_metrics import merge_expositions

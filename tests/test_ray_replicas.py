@@ -103,10 +103,13 @@ def test_streaming_errors_and_metrics_pass_through(replicas):
         client.completions.create(model=model, prompt="x", max_tokens=-1)
     assert bad.value.body["param"] == "max_tokens"
 
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    labelled = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
-                if line.startswith("baton_requests_total{")}
-    assert len(labelled) == 2, labelled
-    with urllib.request.urlopen(url + "/health", timeout=30) as response:
-        assert response.status == 200 and response.read().decode().count(": ok") == 2
+    # /metrics and /health ask every replica at once, within one request:
+    # several rounds, as a scraper and a load balancer would.
+    for _ in range(3):
+        with urllib.request.urlopen(url + "/metrics", timeout=60) as response:
+            text = response.read().decode()
+        labelled = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
+                    if line.startswith("baton_requests_total{")}
+        assert len(labelled) == 2, labelled
+        with urllib.request.urlopen(url + "/health", timeout=60) as response:
+            assert response.status == 200 and response.read().decode().count(": ok") == 2
