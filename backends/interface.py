@@ -42,6 +42,25 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputSpec:
+    """A constraint the output must satisfy, as plain data (the backend's
+    grammar engine compiles it; see backends/grammar.py).
+
+    ``kind`` is "json" (``source`` is a JSON schema as JSON text), "regex",
+    "choice" (``source`` is a JSON list of strings) or "grammar" (Lark, or
+    GBNF when it uses ``::=``). JSON is written compactly (", " and ": ")
+    unless ``any_whitespace`` or a ``whitespace_pattern`` allows more.
+    ``param`` is the request field it came from, for error messages.
+    """
+
+    kind: str
+    source: str
+    any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    param: str = field(default="response_format", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction.
 
@@ -68,6 +87,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -139,6 +159,18 @@ class SamplingParams:
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise InvalidRequestError(
                 f"seed must be between {SEED_MIN} and {SEED_MAX}, got {self.seed}", "seed")
+        if self.structured is not None:
+            # A constrained output ends with EOS once its grammar completes.
+            if self.ignore_eos:
+                raise InvalidRequestError(
+                    "ignore_eos cannot be combined with a structured output constraint "
+                    f"({self.structured.param}): the output ends when the constraint is "
+                    "complete", "ignore_eos")
+            if self.min_tokens:
+                raise InvalidRequestError(
+                    "min_tokens cannot be combined with a structured output constraint "
+                    f"({self.structured.param}): the constraint decides where the output "
+                    "ends", "min_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,12 @@ race (argmax of p / E with E ~ Exp(1)), which draws exactly one number per
 vocabulary entry per step, so a seeded request sees the same random stream
 whatever else shares its batch. Greedy rows take the argmax of the processed
 logits (after bias and penalties).
+
+Rows under a structured-output constraint carry a token bitmask (bit j of
+int32 word w allows token 32 * w + j); every other token of such a row is set
+to -inf before anything picks, so greedy, sampled, top-k and top-p rows all
+stay inside their grammar while unconstrained rows in the same batch are
+untouched.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class SamplingBatch:
     penalties: PenaltyInputs | None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # rows, tokens, values
     banned: tuple[torch.Tensor, torch.Tensor] | None               # rows, tokens
+    allowed: tuple[torch.Tensor, torch.Tensor] | None              # rows [C], bitmask [C, W]
     generators: list[torch.Generator | None]  # a seeded row's own generator
     shared_generator: torch.Generator
     num_logprobs: int | None                # max top-N over rows; None: no row wants any
@@ -64,6 +71,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         _apply_penalties(logits, batch.penalties)
     if batch.banned is not None:
         logits.index_put_(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.allowed is not None:
+        apply_token_bitmask(logits, *batch.allowed)
 
     if batch.all_greedy:
         token_ids = logits.argmax(dim=-1)
@@ -77,6 +86,25 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.num_logprobs:
         top_values, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
     return SamplerOutput(token_ids, chosen, top_ids, top_values)
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
+                        bitmask: torch.Tensor) -> None:
+    """Set ``logits[rows[i], t]`` to -inf wherever bit t of ``bitmask[i]`` is 0
+    (and for every t past the bitmask's width)."""
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS.setdefault(
+            logits.device, torch.arange(32, dtype=torch.int32, device=logits.device))
+    vocab = logits.shape[-1]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1            # [C, W, 32]
+    allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.attention import AttentionMetadata, PrefillSegment
+from backends.grammar import BitmaskFiller, GrammarCompiler, GrammarMatcher
 from backends.config import LoadedModel, ModelConfig
 from backends.device import DTYPES, zeros_lazily
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
@@ -55,6 +56,9 @@ class _RequestState:
     # Prompt positions whose next-token logprob was already returned; a
     # request recomputed after preemption must not return them twice.
     prompt_logprobs_done: int = 0
+    # Where a constrained request stands in its grammar; it advances with
+    # each sampled token and, like the rest, survives preemption.
+    grammar: GrammarMatcher | None = None
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -72,7 +76,8 @@ class TorchBackend:
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                  max_positions: int | None = None, seed: int | None = None,
                  quantization: QuantizationSpec | None = None,
-                 parallel: TensorParallelGroup | None = None) -> None:
+                 parallel: TensorParallelGroup | None = None,
+                 grammar: GrammarCompiler | None = None) -> None:
         self.plan = plan
         self.parallel = parallel
         self.device = torch.device(plan.device)
@@ -87,6 +92,11 @@ class TorchBackend:
         self.block_size = block_size
         self.eos_token_ids = tuple(loaded.generation.eos_token_ids)
         self.quantization = quantization or QuantizationSpec(plan.quantization)
+        eos = self.eos_token_ids or tuple(
+            t for t in (loaded.tokenizer.eos_token_id,) if t is not None)
+        self.grammar = grammar or GrammarCompiler(loaded.tokenizer.tokenizer,
+                                                  self.config.vocab_size, eos)
+        self._bitmasks = BitmaskFiller(self.config.vocab_size)
 
         positions = max_positions or self.config.max_position_embeddings
         cos_table, sin_table = rope_table(self.config, positions, act, self.device)
@@ -220,6 +230,7 @@ class TorchBackend:
         self._whole_step = None
         self.kv_caches = []
         self._states.clear()
+        self._bitmasks.shutdown()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -247,6 +258,9 @@ class TorchBackend:
                                                 for _, first, last, lo in spans])
         input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows)
         batch = self._sampling_batch(sample_rows)
+        constrained = [(i, state.grammar) for i, r in enumerate(sample_rows)
+                       if (state := self._states[r.request_id]).grammar is not None]
+        masks = self._bitmasks.start([m for _, m in constrained]) if constrained else None
         t1 = time.perf_counter()
         timings.prepare = t1 - t0
 
@@ -262,11 +276,18 @@ class TorchBackend:
         t2 = time.perf_counter()
         timings.forward = t2 - t1
 
+        if masks is not None:
+            batch.allowed = (torch.tensor([i for i, _ in constrained]).to(self.device),
+                             masks.result().to(self.device))
         # A row with a NaN or an infinity cannot be sampled; its request fails
         # alone (amax propagates NaN). -1 marks it in the one host transfer.
         finite = torch.isfinite(logits.amax(dim=-1))
         out = sample(logits, batch)
         token_ids = out.token_ids.where(finite, -1).tolist()
+        for i, matcher in constrained:
+            if token_ids[i] >= 0 and not matcher.accept(token_ids[i]):
+                log.error("request %s: token %d rejected by its grammar: %s",
+                          sample_rows[i].request_id, token_ids[i], matcher.error)
         logprobs = self._logprobs_lists(out, token_ids, sample_rows)
         failed: dict[str, str] = {}
         kept_rows, kept_ids, kept_logprobs = [], [], []
@@ -340,8 +361,12 @@ class TorchBackend:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         prompt = scheduled.prompt_token_ids or []
+        grammar = None
+        if params.structured is not None:
+            grammar = self.grammar.compile(params.structured).new_matcher()
         state = _RequestState(params, generator,
-                              list(prompt) if params.prompt_logprobs is not None else [])
+                              list(prompt) if params.prompt_logprobs is not None else [],
+                              grammar=grammar)
         if params.uses_penalties:
             vocab = self.config.vocab_size
             state.output_counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
@@ -462,7 +487,7 @@ class TorchBackend:
             greedy=None if all_greedy or not any(greedy) else torch.tensor(greedy).to(dev),
             all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
             penalties=self._penalty_inputs(rows, params),
-            bias=bias, banned=banned,
+            bias=bias, banned=banned, allowed=None,
             generators=[self._states[r.request_id].generator for r in rows],
             shared_generator=self._shared_generator,
             num_logprobs=max(wants) if wants else None)

@@ -55,6 +55,9 @@ class EngineCore:
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
         self._lock = threading.RLock()
+        # Compiles structured-output constraints (backends/grammar.py); the
+        # gateway warms its cache off the event loop before add_request.
+        self.grammar = getattr(backend, "grammar", None)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, list] = {}
         # Seconds a backend step may take before it is abandoned as hung
@@ -152,6 +155,11 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"{name} names token id {bad}, outside the vocabulary "
                     f"(0..{self.vocab_size - 1})", name)
+        if params.structured is not None:
+            if self.grammar is None:
+                raise InvalidRequestError("this backend does not support structured outputs",
+                                          params.structured.param)
+            self.grammar.compile(params.structured)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> RequestOutput | None:
