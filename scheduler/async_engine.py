@@ -50,6 +50,8 @@ class AsyncEngine:
         core.step_timeout = self.policy.step_timeout
         self.model: ModelInfo = core.info
         self.tokenizer: Tokenizer = core.tokenizer
+        # Compiles structured-output constraints (thread-safe, cached).
+        self.grammar = core.grammar
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._work = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-step")

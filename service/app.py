@@ -27,7 +27,7 @@ from service.generation import respond_stream, respond_whole, start_run
 from service.observability import Observability
 from service.guards import check_api_key, install_malformed_request_filter, read_json_body
 from service.http_errors import APIError, from_decode_error, from_invalid_request
-from service.openai_requests import chat_prompt_ids, prepare_chat, prepare_completion
+from service.openai_requests import ChatOptions, chat_prompt, prepare_chat, prepare_completion
 from service.openapi import openapi_document
 from service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -156,9 +156,9 @@ async def _generate(request: web.Request, type_, prepare,
         req = _decode(await _read(request), type_)
         _check_model(state, req.model)
         prepared = await state.off_loop(prepare, req, engine.tokenizer,
-                                        engine.model.generation,
-                                        state.config.trust_message_control_tokens)
+                                        engine.model.generation, _chat_options(state))
         _apply_default_max_tokens(state.config, engine, req, prepared)
+        await _compile_constraint(state, engine, prepared)
         if telemetry is not None:
             prompt_text = "\n".join(prepared.prompt_texts) if state.obs.log_prompts else None
             telemetry.validated_request(prepared.params, prepared.n, prepared.stream,
@@ -206,6 +206,20 @@ def _apply_default_max_tokens(cfg, engine: AsyncEngine, req, prepared) -> None:
                                           min_tokens=min_tokens)
 
 
+def _chat_options(state: ServerState) -> ChatOptions:
+    cfg = state.config
+    return ChatOptions(cfg.tool_call_parser, cfg.trust_request_chat_template,
+                       cfg.trust_message_control_tokens)
+
+
+async def _compile_constraint(state: ServerState, engine: AsyncEngine, prepared) -> None:
+    """Compile a structured-output constraint off the event loop (a large
+    schema takes milliseconds); the engine then finds it in its cache."""
+    spec = prepared.params.structured
+    if spec is not None and engine.grammar is not None:
+        await state.off_loop(engine.grammar.compile, spec)
+
+
 def _admit(state: ServerState, engine: AsyncEngine, prepared) -> None:
     cfg = state.config
     count = len(prepared.prompts) * prepared.n
@@ -247,13 +261,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, ChatCompletionRequest, prepare_chat, "chat")
 
 
+def _served_names(state: ServerState) -> list[str]:
+    return [state.model_name] + [n for n in state.config.served_model_names
+                                 if n != state.model_name]
+
+
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    max_len = state.engine.model.max_model_len if state.engine else None
+    return ModelCard(name, int(state.started), max_model_len=max_len)
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    max_len = state.engine.model.max_model_len if state.engine else None
-    names = [state.model_name] + [n for n in state.config.served_model_names
-                                  if n != state.model_name]
-    return _json(ModelList([ModelCard(name, int(state.started), max_model_len=max_len)
-                            for name in names]))
+    return _json(ModelList([_model_card(state, name) for name in _served_names(state)]))
+
+
+async def model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    _check_model(state, name)
+    return _json(_model_card(state, name))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -263,11 +290,9 @@ async def tokenize(request: web.Request) -> web.Response:
     _check_model(state, req.model)
     tok = engine.tokenizer
     if req.messages is not None:
-        ids = await state.off_loop(chat_prompt_ids, req.messages, tok,
-                                   req.add_generation_prompt,
-                                   state.config.trust_message_control_tokens)
+        ids = (await state.off_loop(chat_prompt, req, tok, _chat_options(state))).ids
     elif req.prompt is not None:
-        ids = await state.off_loop(tok.encode, req.prompt, req.add_special_tokens)
+        ids = await state.off_loop(tok.encode, req.prompt, req.add_special_tokens is not False)
     else:
         raise APIError(400, "give either prompt or messages", param="prompt")
     return _json(TokenizeResponse(ids, len(ids), engine.model.max_model_len))
@@ -354,6 +379,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)

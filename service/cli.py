@@ -169,6 +169,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--generation-config", "auto", "sampling defaults: auto (the model's "
           "generation_config.json), vllm (none: the request's values, else OpenAI's), or "
           "a folder holding a generation_config.json")
+    _flag(parser, "--chat-template", None, "a Jinja chat template (a file, or the template "
+          "itself) to use instead of the model's own")
     from service.scale_flags import add_parallel_flags
     add_parallel_flags(parser)
 
@@ -197,7 +199,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind,
         revision=ns.revision, download_dir=ns.download_dir,
         generation_config=ns.generation_config, parallel=_parallel_config(ns),
-        progress=True, **overrides)
+        chat_template=ns.chat_template, progress=True, **overrides)
 
 
 def _parallel_config(ns: argparse.Namespace):
@@ -279,7 +281,9 @@ def server_config_from(ns: argparse.Namespace):
         trust_message_control_tokens=ns.trust_message_control_tokens,
         otlp_traces_endpoint=ns.otlp_traces_endpoint, trace_detail=ns.trace_detail,
         log_prompts=ns.log_prompts, log_requests=not ns.disable_log_requests,
-        allowed_origins=tuple(ns.allowed_origins or ()))
+        allowed_origins=tuple(ns.allowed_origins or ()),
+        tool_call_parser=ns.tool_call_parser,
+        trust_request_chat_template=ns.trust_request_chat_template)
 
 
 def parse_serve_argv(argv: list[str]):
@@ -360,6 +364,11 @@ def _add_serve_flags(srv: argparse.ArgumentParser) -> None:
           action="store_true")
     _flag(srv, "--log-format", "auto", "auto (JSON unless stderr is a terminal), json or "
           "console", choices=["auto", "json", "console"])
+    _flag(srv, "--tool-call-parser", None, "how the model writes tool calls: hermes, "
+          "llama3_json or generic (default: read from the chat template; generic when it "
+          "has no tool support)", choices=["hermes", "llama3_json", "generic"])
+    _flag(srv, "--trust-request-chat-template", False, "accept a chat_template field in "
+          "requests", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -71,6 +71,7 @@ class EngineArgs:
     generation_config: str = "auto"      # auto | vllm | folder with generation_config.json
     # Tensor parallelism: ranks, nodes, rendezvous (docs/scaling.md)
     parallel: ParallelConfig = ParallelConfig()
+    chat_template: str | None = None     # a Jinja file or string replacing the model's
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,8 @@ class ServerConfig:
     log_prompts: bool = False
     log_requests: bool = True                # one log line per finished request
     allowed_origins: tuple[str, ...] = ()    # CORS; empty: no CORS headers ("*": any)
+    tool_call_parser: str | None = None     # hermes | llama3_json | generic; None: detect
+    trust_request_chat_template: bool = False  # let requests carry their own chat_template
 
     def fault_policy(self) -> FaultPolicy:
         return FaultPolicy(unhealthy_after_failed_steps=self.unhealthy_after_failed_steps,

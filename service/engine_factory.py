@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,16 @@ def model_name_for(model: str | None) -> str:
     if path.is_dir():
         return path.resolve().name
     return _QUANT_SUFFIX.sub("", path.stem)
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file holding a Jinja template, or the template."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def _load(args: EngineArgs, path, quantization: QuantizationSpec, shard=None) -> LoadedModel:
@@ -121,6 +132,8 @@ def create_engine(args: EngineArgs) -> EngineCore:
     if max_model_len < wanted_len:
         log.warning("max_model_len lowered from %d to %d to fit the KV cache",
                     wanted_len, max_model_len)
+    if args.chat_template is not None:
+        loaded.tokenizer.chat_template = read_chat_template(args.chat_template)
     tokenizer = Tokenizer(loaded.tokenizer)
     eos = generation.eos_token_ids or (
         (loaded.tokenizer.eos_token_id,) if loaded.tokenizer.eos_token_id is not None else ())

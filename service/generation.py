@@ -23,8 +23,10 @@ from service.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                               ChatCompletionResponse, ChatDelta, ChatLogprobs,
                               ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
                               CompletionChunk, CompletionLogprobs, CompletionResponse,
-                              ErrorBody, ErrorResponse, PromptTokensDetails, TopLogprob,
+                              DeltaFunction, DeltaToolCall, ErrorBody, ErrorResponse,
+                              PromptTokensDetails, ToolCallFunction, ToolCallOut, TopLogprob,
                               Usage)
+from service.tool_calls import ParsedCall, ParserDelta, ToolCallParser
 
 _encoder = msgspec.json.Encoder()
 
@@ -58,7 +60,7 @@ class GenerationRun:
         self.model = model
         self.timeout = timeout
         prefix = "chatcmpl" if prepared.kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = f"{prefix}-{prepared.request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.request_ids: list[str] = []
         self.index_of: dict[str, int] = {}
@@ -203,11 +205,12 @@ async def respond_whole(run: GenerationRun) -> web.Response:
                        [c.num_cached_tokens for c in firsts],
                        sum(c.num_tokens for c in choices))
     if p.kind == "chat":
-        body = ChatCompletionResponse(run.id, run.created, run.model, [
-            ChatChoice(i, ChatResponseMessage("assistant", c.text),
-                       chat_logprobs(run.engine, c.logprobs) if p.num_logprobs is not None
-                       else None, client_finish_reason(c.finish_reason))
-            for i, c in enumerate(choices)], usage)
+        out = []
+        for i, c in enumerate(choices):
+            message, finish = _chat_message(p, c)
+            out.append(ChatChoice(i, message, chat_logprobs(run.engine, c.logprobs)
+                                  if p.num_logprobs is not None else None, finish))
+        body = ChatCompletionResponse(run.id, run.created, run.model, out, usage)
     else:
         out_choices = []
         for i, c in enumerate(choices):
@@ -221,6 +224,34 @@ async def respond_whole(run: GenerationRun) -> web.Response:
                                                 client_finish_reason(c.finish_reason)))
         body = CompletionResponse(run.id, run.created, run.model, out_choices, usage)
     return web.Response(body=_encoder.encode(body), content_type="application/json")
+
+
+def _chat_message(p: PreparedRequest, c: Choice) -> tuple[ChatResponseMessage, str | None]:
+    finish = client_finish_reason(c.finish_reason)
+    if p.tools is None:
+        return ChatResponseMessage("assistant", c.text), finish
+    parser = ToolCallParser(p.tools)
+    first, last = parser.feed(c.text), parser.finish()
+    calls = first.calls + last.calls
+    content = first.content + last.content
+    if not calls:
+        return ChatResponseMessage("assistant", content), finish
+    tool_calls = [ToolCallOut(call.id, ToolCallFunction(call.name, call.arguments))
+                  for call in calls]
+    return (ChatResponseMessage("assistant", content.strip() or None, tool_calls),
+            tool_finish_reason(finish))
+
+
+def tool_finish_reason(finish: str | None) -> str | None:
+    # A reply that ended by itself after calling tools waits for their results.
+    return "tool_calls" if finish == "stop" else finish
+
+
+def _delta_calls(calls: list[ParsedCall]) -> list[DeltaToolCall] | None:
+    if not calls:
+        return None
+    return [DeltaToolCall(c.index, c.id, "function", DeltaFunction(c.name, c.arguments))
+            for c in calls]
 
 
 # ---------------------------------------------------------------- streaming
@@ -242,6 +273,9 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
     prompt_tokens = [0] * num_choices
     cached_tokens = [0] * num_choices
     completion_tokens = 0
+    parsers = [ToolCallParser(p.tools) if p.tools is not None else None
+               for _ in range(num_choices)]
+    called = [False] * num_choices
     if chat:
         for i in range(num_choices):
             await _send(resp, ChatCompletionChunk(run.id, run.created, run.model, [
@@ -250,6 +284,11 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
         prompt_tokens[index] = out.num_prompt_tokens
         cached_tokens[index] = out.num_cached_tokens
         completion_tokens += len(out.new_token_ids)
+        running_usage = None
+        if p.continuous_usage:
+            firsts = range(0, num_choices, p.n)
+            running_usage = make_usage([prompt_tokens[i] for i in firsts],
+                                       [cached_tokens[i] for i in firsts], completion_tokens)
         if out.finish_reason in (FinishReason.ERROR.value, FinishReason.ABORT.value):
             error = ErrorBody(out.error or "engine fault", "internal_error", None, None) \
                 if out.finish_reason == FinishReason.ERROR.value else \
@@ -258,15 +297,28 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
             await _send(resp, ErrorResponse(error))
             await resp.write(b"data: [DONE]\n\n")
             return resp
-        if (not out.text and not out.finished and p.num_logprobs is None
+        text, calls = out.text, None
+        parser = parsers[index]
+        if parser is not None:
+            delta = parser.feed(text)
+            if out.finished:
+                end = parser.finish()
+                delta = ParserDelta(delta.content + end.content, delta.calls + end.calls)
+            text, calls = delta.content, _delta_calls(delta.calls)
+            called[index] = called[index] or bool(calls)
+        if (not text and not calls and not out.finished and p.num_logprobs is None
                 and not (p.echo and echo_pending[index])):
             continue  # a token that completes no character yet
         finish = client_finish_reason(out.finish_reason) if out.finished else None
+        if called[index]:
+            finish = tool_finish_reason(finish)
         if chat:
             logprobs = chat_logprobs(run.engine, out.logprobs) \
                 if p.num_logprobs is not None and out.logprobs else None
             chunk = ChatCompletionChunk(run.id, run.created, run.model, [
-                ChatChunkChoice(index, ChatDelta(content=out.text), logprobs, finish)])
+                ChatChunkChoice(index, ChatDelta(content=text if text or not calls else None,
+                                                 tool_calls=calls), logprobs, finish)],
+                running_usage)
         else:
             # echo: the prompt goes out with the first delta, with its logprobs
             echo = p.prompts[index // p.n] if echo_pending[index] else None
@@ -277,7 +329,7 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
                 if p.num_logprobs is not None else None
             offsets[index] += len(text)
             chunk = CompletionChunk(run.id, run.created, run.model, [
-                CompletionChoice(index, text, logprobs, finish)])
+                CompletionChoice(index, text, logprobs, finish)], running_usage)
         await _send(resp, chunk)
     if p.include_usage:
         firsts = range(0, num_choices, p.n)

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from backends.errors import ContextLengthExceededError, InvalidRequestError
 from service.protocol import ErrorBody, ErrorResponse
+from service.structured_outputs import REMOVED_GUIDED_FIELDS
 
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -46,11 +47,23 @@ def from_invalid_request(exc: InvalidRequestError) -> APIError:
 
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 
 
 def from_decode_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> APIError:
     """msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`"."""
     text = str(exc)
+    unknown = _UNKNOWN.search(text)
+    if unknown is not None:
+        # Honoured or refused, never ignored: name the field it does not know.
+        name, where = unknown.groups()
+        param = f"{where}.{name}" if where else name
+        if param in REMOVED_GUIDED_FIELDS:
+            return APIError(400, f"{param} was removed in vLLM 0.12 and is not accepted; "
+                                 f"use {REMOVED_GUIDED_FIELDS[param]}", param=param)
+        return APIError(400, f"unknown or unsupported request field {param!r}: Baton does "
+                             "not implement it (docs/serving.md lists the fields it takes)",
+                        param=param)
     match = _PATH.search(text)
     param = match.group(1) if match else None
     if isinstance(exc, msgspec.ValidationError):

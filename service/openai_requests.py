@@ -4,15 +4,33 @@ one SamplingParams, validated here so errors name the request's own params."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from backends.config import GenerationDefaults
 from backends.errors import InvalidRequestError
-from backends.interface import SamplingParams
+from backends.interface import SamplingParams, StructuredOutputSpec
 from backends.tokenizer import Tokenizer
-from service.chat_template import tokenize_chat
+from service.chat_template import template_variables, tokenize_chat
 from service.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from service.request_policy import check_chat_fields, check_common_fields
+from service.structured_outputs import request_spec
+from service.tool_calls import ToolPlan, detect_format, history_tool_calls, plan_tools
 
 MAX_N = 128
+# Template variables a caller's chat_template_kwargs may not replace.
+_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                       "bos_token", "eos_token", "raise_exception", "strftime_now"})
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """Server-wide chat settings (CLI flags)."""
+
+    tool_call_parser: str | None = None        # None: detect from the template
+    trust_request_chat_template: bool = False
+    # Control-token text in messages stays text unless the clients are
+    # trusted (docs/security.md).
+    trust_control_tokens: bool = False
 
 
 @dataclass(slots=True)
@@ -29,11 +47,15 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     priority: int = 0               # the scheduler's, under --scheduling-policy priority
+    tools: ToolPlan | None = None       # chat: parse the reply into tool_calls
+    request_id: str | None = None       # the client's own id (vLLM's request_id)
+    continuous_usage: bool = False      # vLLM: usage on every streamed chunk
 
 
 def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
                      defaults: GenerationDefaults,
-                     prompt_logprobs: int | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None,
+                     structured: StructuredOutputSpec | None = None) -> SamplingParams:
     def pick(value, default, fallback):
         if value is not None:
             return value
@@ -64,14 +86,37 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
         logit_bias=tuple(bias), seed=req.seed, stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens, structured=structured)
+
+
+def _truncate(ids: list[int], req) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k < 1:
+        raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {k}",
+                                  "truncate_prompt_tokens")
+    return ids[-k:]
+
+
+def _stream_flags(req) -> tuple[bool, bool]:
+    opts = req.stream_options
+    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
                        defaults: GenerationDefaults,
-                       trust_control_tokens: bool = False) -> PreparedRequest:
+                       chat: ChatOptions | None = None) -> PreparedRequest:
     # A completion prompt is the client's own text, control tokens included;
-    # ``trust_control_tokens`` concerns chat messages only.
+    # ChatOptions.trust_control_tokens concerns chat messages only.
+    check_common_fields(req)
+    if req.suffix is not None:
+        raise InvalidRequestError("suffix (fill-in-the-middle) is not supported", "suffix")
+    if req.best_of is not None and req.best_of not in (1, req.n):
+        raise InvalidRequestError("best_of other than n is not supported (it needs beam "
+                                  "scoring); leave it out or equal to n", "best_of")
+    add_special = True if req.add_special_tokens is None else req.add_special_tokens
     prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -89,60 +134,149 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
         if isinstance(item, str):
             if not item:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
-            prompts.append(tokenizer.encode(item))
+            prompts.append(_truncate(tokenizer.encode(item, add_special_tokens=add_special),
+                                     req))
             texts.append(item)
         else:
             if not item:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
-            prompts.append(list(item))
+            prompts.append(_truncate(list(item), req))
             texts.append(tokenizer.decode(list(item), skip_special_tokens=False)
                          if req.echo else "")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     # echo with logprobs lists the prompt's tokens too, each scored given
     # the ones before it.
     prompt_logprobs = req.logprobs if req.echo else None
-    params = _sampling_params(req, max_tokens, req.logprobs, defaults, prompt_logprobs)
+    params = _sampling_params(req, max_tokens, req.logprobs, defaults, prompt_logprobs,
+                              request_spec(req.response_format, req.structured_outputs))
+    usage, continuous = _stream_flags(req)
     return PreparedRequest(
         "text_completion", prompts, texts, params, req.n, req.logprobs, req.echo, req.stream,
-        bool(req.stream_options and req.stream_options.include_usage), req.priority)
+        usage, req.priority, request_id=req.request_id, continuous_usage=continuous)
 
 
-def message_dict(message: ChatMessage) -> dict:
+def message_dict(message: ChatMessage, tool_format: str) -> dict[str, Any]:
+    """One message as a chat template reads it (transformers' layout)."""
+    if message.function_call is not None:
+        raise InvalidRequestError("messages: function_call is deprecated and not supported; "
+                                  "send tool_calls", "messages")
+    if message.audio is not None:
+        raise InvalidRequestError("messages: audio is not supported by this text-only model",
+                                  "messages")
     content = message.content
     if isinstance(content, list):
         texts = []
         for part in content:
-            if part.type != "text" or part.text is None:
+            text = part.text if part.type == "text" else \
+                part.refusal if part.type == "refusal" else None
+            if text is None:
                 raise InvalidRequestError(
                     f"content parts of type {part.type!r} are not supported by this "
                     f"text-only model", "messages")
-            texts.append(part.text)
+            texts.append(text)
         content = "".join(texts)
-    out = {"role": message.role, "content": content or ""}
+    if content is None and message.refusal is not None:
+        content = message.refusal
+    out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+    if message.tool_calls:
+        calls, text = history_tool_calls(message.tool_calls, tool_format)
+        if calls is not None:
+            out["tool_calls"] = calls
+        else:
+            out["content"] = f"{out['content']}\n{text}" if out["content"] else text
     return out
 
 
-def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer,
-                    add_generation_prompt: bool = True,
-                    trust_control_tokens: bool = False) -> list[int]:
-    """Message content is tokenized as text: control-token strings in it do
-    not become control tokens unless ``trust_control_tokens``."""
-    if not messages:
+def _template_keywords(req, template: str) -> dict[str, Any]:
+    """chat_template_kwargs and the fields templates read by name
+    (reasoning_effort, verbosity): each must be one the template uses, or it
+    would change nothing."""
+    used = template_variables(template)
+    keywords: dict[str, Any] = {}
+    for name in ("reasoning_effort", "verbosity"):
+        value = getattr(req, name, None)
+        if value is not None:
+            if name not in used:
+                raise InvalidRequestError(
+                    f"{name} is not supported by this model (its chat template does not "
+                    f"read it)", name)
+            keywords[name] = value
+    for key, value in (getattr(req, "chat_template_kwargs", None) or {}).items():
+        if key in _RESERVED:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {key!r}; use the "
+                                      "request field instead", "chat_template_kwargs")
+        if key not in used:
+            raise InvalidRequestError(
+                f"chat_template_kwargs: the chat template does not read {key!r}, so it "
+                f"would have no effect", "chat_template_kwargs")
+        keywords[key] = value
+    documents = getattr(req, "documents", None)
+    if documents is not None and "documents" not in used:
+        raise InvalidRequestError("documents: the chat template does not read documents",
+                                  "documents")
+    return keywords
+
+
+def _template(req, tokenizer: Tokenizer, chat: ChatOptions) -> str | None:
+    if req.chat_template is None:
+        return tokenizer.chat_template
+    if not chat.trust_request_chat_template:
+        raise InvalidRequestError("chat_template in a request is refused unless the server "
+                                  "runs with --trust-request-chat-template", "chat_template")
+    return req.chat_template
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    ids: list[int]
+    tools: ToolPlan | None
+    structured: StructuredOutputSpec | None
+
+
+def chat_prompt(req, tokenizer: Tokenizer, chat: ChatOptions | None = None,
+                answer: StructuredOutputSpec | None = None) -> ChatPrompt:
+    """Render ``req.messages`` (with tools) and tokenize. ``req`` is a chat
+    completion or a /tokenize request."""
+    chat = chat or ChatOptions()
+    if not req.messages:
         raise InvalidRequestError("messages must not be empty", "messages")
-    return tokenize_chat(tokenizer, [message_dict(m) for m in messages],
-                         add_generation_prompt=add_generation_prompt,
-                         trust_control_tokens=trust_control_tokens)
+    template = _template(req, tokenizer, chat)
+    tool_format = chat.tool_call_parser or detect_format(template)
+    plan = plan_tools(req.tools, getattr(req, "tool_choice", None),
+                      getattr(req, "parallel_tool_calls", None), tool_format, answer)
+    messages = [message_dict(m, tool_format) for m in req.messages]
+    preamble = plan.preamble() if plan is not None else None
+    if preamble:
+        if messages[0]["role"] in ("system", "developer"):
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{preamble}"}
+        else:
+            messages.insert(0, {"role": "system", "content": preamble})
+    keywords = _template_keywords(req, template) if template else {}
+    ids = tokenize_chat(tokenizer, messages, template=template,
+                        add_special_tokens=bool(getattr(req, "add_special_tokens", False)),
+                        trust_control_tokens=chat.trust_control_tokens,
+                        add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message,
+                        tools=plan.template_tools() if plan is not None else None,
+                        documents=getattr(req, "documents", None), **keywords)
+    structured = plan.constraint() if plan is not None else None
+    return ChatPrompt(ids, plan, structured if plan is not None else answer)
 
 
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer,
                  defaults: GenerationDefaults,
-                 trust_control_tokens: bool = False) -> PreparedRequest:
-    ids = chat_prompt_ids(req.messages, tokenizer, req.add_generation_prompt,
-                          trust_control_tokens)
+                 chat: ChatOptions | None = None) -> PreparedRequest:
+    check_common_fields(req)
+    check_chat_fields(req)
+    answer = request_spec(req.response_format, req.structured_outputs)
+    prompt = chat_prompt(req, tokenizer, chat, answer)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     if req.top_logprobs is not None and not req.logprobs:
@@ -151,7 +285,10 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer,
         raise InvalidRequestError(
             f"top_logprobs must be between 0 and 20, got {req.top_logprobs}", "top_logprobs")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(req, max_tokens, num_logprobs, defaults)
+    params = _sampling_params(req, max_tokens, num_logprobs, defaults,
+                              structured=prompt.structured)
+    usage, continuous = _stream_flags(req)
     return PreparedRequest(
-        "chat", [ids], [""], params, req.n, num_logprobs, False, req.stream,
-        bool(req.stream_options and req.stream_options.include_usage), req.priority)
+        "chat", [_truncate(prompt.ids, req)], [""], params, req.n, num_logprobs, False,
+        req.stream, usage, req.priority, tools=prompt.tools, request_id=req.request_id,
+        continuous_usage=continuous)

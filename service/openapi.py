@@ -17,6 +17,8 @@ _ROUTES = [
     ("post", "/v1/chat/completions", "Create a chat completion (stream=true for SSE)",
      p.ChatCompletionRequest, p.ChatCompletionResponse),
     ("get", "/v1/models", "List the served model", None, p.ModelList),
+    ("get", "/v1/models/{model}", "The served model's card (404 for another id)", None,
+     p.ModelCard),
     ("post", "/tokenize", "Text or messages to token ids", p.TokenizeRequest,
      p.TokenizeResponse),
     ("post", "/detokenize", "Token ids to text", p.DetokenizeRequest, p.DetokenizeResponse),
@@ -55,6 +57,9 @@ def openapi_document(version: str) -> bytes:
         op = {"summary": summary,
               "responses": {"200": {"description": "success", "content": content},
                             "default": error}}
+        if "{model}" in path:
+            op["parameters"] = [{"name": "model", "in": "path", "required": True,
+                                 "schema": {"type": "string"}}]
         if req is not None:
             op["requestBody"] = {"required": True,
                                  "content": {_JSON: {"schema": refs[req]}}}
