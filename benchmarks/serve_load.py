@@ -374,13 +374,16 @@ async def run_load(base_url: str, model: str | None, concurrency: int, num_reque
                    prompt_len: int, output_len: int, *, seed: int | None = None,
                    first_request: int = 0, vocab: int = DEFAULT_VOCAB,
                    text_prompts: bool = False, api_key: str | None = None,
-                   timeout: float = DEFAULT_TIMEOUT_S) -> LoadResult:
+                   timeout: float = DEFAULT_TIMEOUT_S,
+                   extra_body: dict[str, Any] | None = None) -> LoadResult:
     """Send `num_requests` streaming completions, `concurrency` at a time, and
     measure them. Request k of this run uses prompt (seed, first_request + k):
     callers that run several loads with one seed advance `first_request` by
     the previous run's `num_requests`; with seed None a fresh seed is drawn.
-    `model` None means the first model the server lists. Failed requests are
-    counted in the result; only bad arguments and model discovery raise."""
+    `model` None means the first model the server lists. `extra_body` fields
+    are merged into every request (a None value removes the field). Failed
+    requests are counted in the result; only bad arguments and model
+    discovery raise."""
     for name, value in (("concurrency", concurrency), ("num_requests", num_requests),
                         ("prompt_len", prompt_len), ("output_len", output_len)):
         if value < 1:
@@ -397,12 +400,15 @@ async def run_load(base_url: str, model: str | None, concurrency: int, num_reque
     if model is None:
         model = await fetch_model_id(base, api_key, timeout=min(timeout, 30.0))
 
-    bodies = [json.dumps({
-        "model": model,
-        "prompt": make_prompt(seed, first_request + i, prompt_len, vocab, text_prompts),
-        "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True},
-    }).encode() for i in range(num_requests)]
+    def body(i: int) -> bytes:
+        fields = {
+            "model": model,
+            "prompt": make_prompt(seed, first_request + i, prompt_len, vocab, text_prompts),
+            "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **(extra_body or {})}
+        return json.dumps({k: v for k, v in fields.items() if v is not None}).encode()
+
+    bodies = [body(i) for i in range(num_requests)]
     records, wall_s = await run_pool(base + "/v1/completions", bodies, concurrency,
                                      api_key, timeout)
     return summarize(records, wall_s, base_url=base, model=model, concurrency=concurrency,

@@ -6,8 +6,10 @@ initialisation of its paths).
 
 The warm-up runs a few short greedy requests through the engine core the
 server will use, covering a prefill chunk, a lone decode and a batched
-decode (below and above the whole-step native decode's 4 sequences), then
-checks that every KV block and every per-request table came back empty. It runs before the step loop starts
+decode (below and above the whole-step native decode's 4 sequences) and
+one request under a structured-output constraint (so the grammar engine's
+tokenizer table, about a second for a large vocabulary, is built now rather
+than by the first constrained request), then checks that every KV block and every per-request table came back empty. It runs before the step loop starts
 and before metrics are attached, so nothing it does shows in /metrics.
 """
 
@@ -17,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from backends.interface import SamplingParams
+from backends.interface import SamplingParams, StructuredOutputSpec
 from scheduler.engine import EngineCore
 
 log = logging.getLogger("baton")
@@ -27,6 +29,7 @@ PROMPT_TEXT = "Baton warms up before it serves: the first request should be as f
 # whole-step decode's limit of 4 so the batched path is built too.
 BATCHES = (1, 5)
 OUTPUT_TOKENS = 3
+CONSTRAINT = StructuredOutputSpec("choice", '["yes", "no"]')
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,14 @@ def warm_up(core: EngineCore) -> WarmupReport:
             core.add_request(f"warmup-{batch}-{i}", prompt[:len(prompt) - i], params)
             requests += 1
         while core.has_work():  # until finished requests are released in the backend too
+            core.step()
+            steps += 1
+    if core.grammar is not None:
+        core.add_request("warmup-constrained", prompt,
+                         SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0,
+                                        structured=CONSTRAINT))
+        requests += 1
+        while core.has_work():
             core.step()
             steps += 1
     core.check_integrity()
