@@ -81,7 +81,8 @@ class ToolPlan:
         call = '{"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}'
         if self.choice == "auto":
             how = (f"To call tools, reply with only the JSON object {call}. To answer "
-                   'without a tool, reply with only {"response": <your answer>}.')
+                   "(for example once the tool results you need are in the conversation), "
+                   'reply with only {"response": <your answer>}.')
         else:
             how = f"You must call a tool: reply with only the JSON object {call}."
         return f"You can call these tools:\n{listing}\n\n{how}"
@@ -174,8 +175,12 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None, fmt: str,
             raise InvalidRequestError("beside tools, only a JSON constraint can shape the "
                                       "answer", answer.param)
         answer_schema = json.loads(answer.source)
-    return ToolPlan(fmt, functions, choice, named,
-                    parallel=parallel_tool_calls is not False, answer_schema=answer_schema)
+    # Several calls per reply: as OpenAI, unless the client says false; in the
+    # generic format only when it says true, as models never trained on tools
+    # tend to repeat one call until max_tokens when an array is open to them.
+    parallel = parallel_tool_calls is True if fmt == GENERIC else parallel_tool_calls is not False
+    return ToolPlan(fmt, functions, choice, named, parallel=parallel,
+                    answer_schema=answer_schema)
 
 
 def _choice(tool_choice) -> tuple[str, str | None]:
