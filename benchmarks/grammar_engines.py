@@ -11,8 +11,9 @@ accepts the token. Figures are medians over the tokens of all schemas.
     .venv/bin/python benchmarks/grammar_engines.py [--model PATH] [--repeat 3]
 
 The embedded SmolLM2-135M-Instruct (49152-token byte-level BPE) is the
-default model. Needs both engines installed (pip install xgrammar llguidance);
-xgrammar runs without its triton dependency on CPU.
+default model. llguidance is Baton's own dependency; xgrammar is not: install it
+with `pip install --no-deps xgrammar apache-tvm-ffi` (its CPU path needs neither
+its triton nor its transformers requirement).
 """
 
 from __future__ import annotations

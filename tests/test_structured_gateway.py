@@ -33,7 +33,7 @@ TOOLS = [WEATHER, TIME]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 BOOK = {"type": "object", "properties": {
-    "title": {"type": "string", "maxLength": 40},
+    "title": {"type": "string", "maxLength": 24},
     "author": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 30},
         "born": {"type": "integer", "minimum": 1000, "maximum": 2024}},
@@ -45,7 +45,10 @@ BOOK = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(make_engine(None, num_kv_blocks=256), ServerConfig()) as srv:
+    # dtype auto: bfloat16 where the CPU computes it natively (faster); these
+    # tests check validity, not exact tokens.
+    with running_server(make_engine(None, dtype="auto", num_kv_blocks=256),
+                        ServerConfig()) as srv:
         yield srv
 
 
@@ -92,7 +95,7 @@ def test_json_object_and_vllm_structured_outputs(server, client):
     model = _model(server)
     obj = client.chat.completions.create(
         model=model, messages=_ask("Give me a JSON object about cats."),
-        response_format={"type": "json_object"}, temperature=0, max_tokens=60)
+        response_format={"type": "json_object"}, temperature=0, max_tokens=30)
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
     else:
@@ -118,7 +121,7 @@ class Author(BaseModel):
 
 
 class Book(BaseModel):
-    title: str = Field(max_length=40)
+    title: str = Field(max_length=24)
     author: Author
     kind: Literal["novel", "poetry", "essay"]
 
