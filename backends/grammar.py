@@ -82,6 +82,11 @@ class GrammarCompiler:
     def warm_up(self) -> None:
         self._tokenizer()
 
+    @property
+    def ready(self) -> bool:
+        """Whether the tokenizer table is built (compiles need no more set-up)."""
+        return self._ll_tokenizer is not None
+
     def _tokenizer(self):
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:

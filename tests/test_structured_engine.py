@@ -168,3 +168,13 @@ def test_random_model_obeys_and_survives_preemption_and_chunking(request, arch):
         assert res.finish_reason == "stop", (rid, res.text)
         jsonschema.validate(json.loads(res.text), BOUNDED)
         assert res.token_ids == expected[rid].token_ids, rid
+
+
+def test_warm_up_prepares_the_grammar_engine(tiny_llama_dir):
+    """The server's warm-up runs one constrained request, so the first user's
+    does not build the grammar engine's tokenizer table."""
+    from service.warmup import warm_up
+    core = make_engine(tiny_llama_dir)
+    assert not core.grammar.ready
+    report = warm_up(core)
+    assert core.grammar.ready and report.requests == 7
