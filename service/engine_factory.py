@@ -12,7 +12,7 @@ import torch
 
 from backends.config import LoadedModel
 from backends.device import DTYPES, resolve_dtype
-from backends.errors import ModelLoadError
+from backends.errors import InvalidRequestError, ModelLoadError
 from backends.execution import ExecutionOptions
 from backends.factory import BackendConfig, create_backend
 from backends.interface import Backend
@@ -45,13 +45,21 @@ def model_name_for(model: str | None) -> str:
 
 
 def read_chat_template(value: str) -> str:
-    """--chat-template: a file holding a Jinja template, or the template."""
+    """--chat-template: a file holding a Jinja template, or the template.
+    A template that does not parse is refused here, before any request."""
+    from service.chat_template import template_variables
+
     if "{{" in value or "{%" in value:
-        return value
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        text = value
+    elif (path := Path(value).expanduser()).is_file():
+        text = path.read_text(encoding="utf-8")
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    try:
+        template_variables(text)
+    except InvalidRequestError as exc:
+        raise ValueError(f"--chat-template: {exc}") from None
+    return text
 
 
 def _load(args: EngineArgs, path, quantization: QuantizationSpec, shard=None) -> LoadedModel:
@@ -106,6 +114,8 @@ def create_engine(args: EngineArgs) -> EngineCore:
         torch.set_num_threads(args.threads)
     quantization = QuantizationSpec(args.quantization, args.quantization_group_size)
     generation_config_file(args.generation_config)  # a bad path fails before the load
+    chat_template = (read_chat_template(args.chat_template)   # and so does a bad template
+                     if args.chat_template is not None else None)
     path = resolve_model(args.model, args.revision, args.download_dir, args.progress)
     t0 = time.perf_counter()
     group = None
@@ -132,8 +142,8 @@ def create_engine(args: EngineArgs) -> EngineCore:
     if max_model_len < wanted_len:
         log.warning("max_model_len lowered from %d to %d to fit the KV cache",
                     wanted_len, max_model_len)
-    if args.chat_template is not None:
-        loaded.tokenizer.chat_template = read_chat_template(args.chat_template)
+    if chat_template is not None:
+        loaded.tokenizer.chat_template = chat_template
     tokenizer = Tokenizer(loaded.tokenizer)
     eos = generation.eos_token_ids or (
         (loaded.tokenizer.eos_token_id,) if loaded.tokenizer.eos_token_id is not None else ())
