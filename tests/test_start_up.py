@@ -76,7 +76,8 @@ def test_warm_up_runs_lone_and_batched_decodes_and_leaves_nothing(tiny_llama_dir
     core = make_engine(tiny_llama_dir, max_num_seqs=max_num_seqs, num_kv_blocks=64)
     report = warm_up(core)
     batches = [min(b, max_num_seqs) for b in BATCHES]
-    assert report.requests == sum(batches)
+    # and one request under a structured-output constraint (the grammar engine)
+    assert report.requests == sum(batches) + 1
     # each batch: a prefill step and OUTPUT_TOKENS - 1 decode steps (at least)
     assert report.steps >= len(batches) * OUTPUT_TOKENS
     assert not any(core.state_sizes().values())
