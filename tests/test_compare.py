@@ -51,6 +51,30 @@ async def test_two_servers_ratios_and_fresh_prompts(fake_server, tmp_path, capsy
         assert r["ratio"] > 0 and isinstance(r["met"], bool)
 
 
+async def test_a_peers_failed_requests_are_counted_not_fatal(fake_server, tmp_path,  # noqa: F811
+                                                             capsys):
+    """A peer that drops or errors a request (llama-server once dropped a
+    connection) is measured on the rest and its failures counted."""
+    good_url, _good = await fake_server()
+    # arrival 0 is the warm-up; then c=1 gets 1..2, c=4 gets 3..10
+    flaky_url, _flaky = await fake_server(faults={2: "error_event", 5: "429", 7: "error_event"})
+    out = tmp_path / "cmp.json"
+    args = compare.parse_args([
+        "--server", f"good={good_url}", "--server", f"flaky={flaky_url}",
+        "--concurrency", "1", "4", "--num-requests", "2", "8", "--prompt-len", "8",
+        "--output-len", "6", "--seed", "9", "--json", str(out)])
+    assert await compare._main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| server | c=1 tok/s |" in printed and "| failed requests |" in printed
+    rows = {line.split("|")[1].strip(): line for line in printed.splitlines()
+            if line.startswith("| good |") or line.startswith("| flaky |")}
+    assert rows["good"].rstrip().endswith("| 0 |")
+    assert rows["flaky"].rstrip().endswith("| 3 |")
+    assert "flaky c=4: 2 requests failed" in printed
+    runs = json.loads(out.read_text())["servers"]["flaky"][0]
+    assert (runs["1"]["num_ok"], runs["4"]["num_ok"]) == (1, 6)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
