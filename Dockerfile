@@ -30,10 +30,10 @@ FROM ${PYTHON_IMAGE} AS cpu-build
 ARG TORCH_VERSION=2.13.0
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     BATON_KERNEL_CACHE=/opt/venv/share/baton-kernels
-# The C compiler lives in this stage only: the native CPU kernels are built
-# here, one library per CPU kind (portable, avx2, avx512, avx512_bf16); the
-# runtime loads the one its CPU can run.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+# The C and C++ compilers live in this stage only: the native CPU kernels are
+# built here into one library that holds every CPU kind (portable, avx2,
+# avx512, avx512_bf16); the runtime picks the kind its CPU can run.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH

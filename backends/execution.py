@@ -211,9 +211,9 @@ def make_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
 
     fast = options.fast_paths
     kernels = cpu.kind if fast and cpu.kind in available.native_kernels else None
-    # The native kernels compute in float32 (bf16 KV caches and weights are
-    # widened on the fly).
-    native = kernels is not None and activation == "float32"
+    # The native kernels take float32 or bfloat16 activations (computing in
+    # float32 and rounding once per fused step) and a float32 or bf16 cache.
+    native = kernels is not None and activation in ("float32", "bfloat16")
     onednn = fast and activation in available.onednn_dtypes
     if quantized:
         linear = quantization

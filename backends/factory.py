@@ -35,6 +35,9 @@ class BackendConfig:
     seed: int | None = None
     quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
     execution: ExecutionOptions = field(default_factory=ExecutionOptions)
+    # CPU threads for the model's math; None: as many as other processes leave
+    # free, up to torch's default (backends/cpu_threads.py).
+    threads: int | None = None
 
 
 def probe_availability(device: str, cpu: CpuFeatures,
@@ -52,8 +55,8 @@ def probe_availability(device: str, cpu: CpuFeatures,
     onednn = frozenset(name for name, dtype in (("float32", torch.float32),
                                                 ("bfloat16", torch.bfloat16))
                        if packing_supported(dev, dtype))
-    lib, reason = kernels.load_with_reason(cpu.kind)
-    return Availability(native_kernels=frozenset({cpu.kind}) if lib is not None else frozenset(),
+    ok, reason = kernels.available(cpu.kind)
+    return Availability(native_kernels=frozenset({cpu.kind}) if ok else frozenset(),
                         onednn_dtypes=onednn, reason=reason)
 
 
@@ -82,4 +85,5 @@ def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) ->
                         kv_cache_bytes=config.kv_cache_bytes,
                         num_kv_blocks=config.num_kv_blocks,
                         max_positions=config.max_positions, seed=config.seed,
-                        quantization=config.quantization, parallel=parallel)
+                        quantization=config.quantization, threads=config.threads,
+                        parallel=parallel)

@@ -134,15 +134,15 @@ def swap_linears(model: nn.Module, plan) -> int:
     if plan.linear in ("onednn", "onednn-f32-copy"):
         make = PackedLinear
     elif plan.linear == "bf16-gemv+onednn":
-        from backends.kernels import gemv_bf16
-        gemv = gemv_bf16(plan.kernels)
+        from backends.kernels import GemvBf16
+        gemv = GemvBf16(plan.kernels)
         make = lambda w, b: Bf16WeightLinear(w, b, gemv)  # noqa: E731
     replaced = _replace_linears(model.layers, make) if make is not None else 0
     if type(model.lm_head) is nn.Linear and plan.lm_head != "torch":
         if plan.lm_head == "bf16-gemv+onednn":
-            from backends.kernels import gemv_bf16
+            from backends.kernels import GemvBf16
             model.lm_head = Bf16WeightLinear(model.lm_head.weight, None,
-                                             gemv_bf16(plan.kernels))
+                                             GemvBf16(plan.kernels))
         else:
             model.lm_head = PackedLinear(model.lm_head.weight, None)
     return replaced

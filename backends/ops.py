@@ -88,21 +88,30 @@ TORCH_OPS = ModelOps(add_rms_norm, qkv_rope_store, paged_attention, silu_mul, "t
 
 # ----------------------------------------------------------------- native
 def native_cpu_ops(kind: str) -> ModelOps:
-    """The C kernels of CPU kind ``kind``: float32 activations, a float32 or
-    bfloat16 KV cache. Prefill attention stays on torch's SDPA."""
-    from backends.kernels import fused_ops, paged_decode_attention
-    fused = fused_ops(kind)
-    decode = paged_decode_attention(kind)
-    if fused is None or decode is None:
-        raise RuntimeError("the native kernels were planned but did not load")
+    """The C kernels of CPU kind ``kind`` as torch operators
+    (``torch.ops.baton``, backends/kernels): float32 or bfloat16 activations,
+    a float32 or bfloat16 KV cache. Prefill attention stays on torch's SDPA."""
+    from backends import kernels
+    ok, reason = kernels.available(kind)
+    if not ok:
+        raise RuntimeError(f"the {kind} kernels were planned but cannot run: {reason}")
+    k = kernels.kind_id(kind)
+    baton = torch.ops.baton
 
     def norm(residual, delta, weight, eps):
-        return fused.rms_norm(residual, weight, eps, delta)
+        return baton.rms_norm(residual, delta, weight, eps, k)
 
     def rope_store(qkv, shape, positions, cos_table, sin_table, q_norm, k_norm, eps,
                    slot_mapping, k_cache, v_cache):
-        return fused.qkv_rope_store(qkv, *shape, positions, cos_table, sin_table, q_norm,
-                                    k_norm, eps, slot_mapping, k_cache, v_cache)
+        return baton.qkv_rope_store(qkv, *shape, positions, cos_table, sin_table, q_norm,
+                                    k_norm, eps, slot_mapping, k_cache, v_cache, k)
 
-    return ModelOps(norm, rope_store, partial(paged_attention, decode_kernel=decode),
-                    fused.silu_mul, f"native-{kind}")
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, block_size, scale):
+        return baton.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                            max_seq_len, block_size, scale, k)
+
+    def silu(gate_up):
+        return baton.silu_mul(gate_up, k)
+
+    return ModelOps(norm, rope_store, partial(paged_attention, decode_kernel=decode), silu,
+                    f"native-{kind}")

@@ -24,6 +24,7 @@ import torch
 from backends.attention import AttentionMetadata, PrefillSegment
 from backends.grammar import BitmaskFiller, GrammarCompiler, GrammarMatcher
 from backends.config import LoadedModel, ModelConfig
+from backends.cpu_threads import DEFAULT_THREADS, ThreadGovernor
 from backends.device import DTYPES, zeros_lazily
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
@@ -77,7 +78,8 @@ class TorchBackend:
                  max_positions: int | None = None, seed: int | None = None,
                  quantization: QuantizationSpec | None = None,
                  parallel: TensorParallelGroup | None = None,
-                 grammar: GrammarCompiler | None = None) -> None:
+                 grammar: GrammarCompiler | None = None,
+                 threads: int | None = None) -> None:
         self.plan = plan
         self.parallel = parallel
         self.device = torch.device(plan.device)
@@ -142,6 +144,17 @@ class TorchBackend:
             for _ in range(self.config.num_layers)]
         self._whole_step = self._native_decode() if plan.whole_step_decode else None
 
+        # A fixed thread count, or (None, on CPU) one that follows what other
+        # processes leave free. A tensor-parallel rank keeps the cores and
+        # threads its launcher dealt it (service/tensor_parallel.py).
+        self._governor = None
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"threads must be at least 1, got {threads}")
+            torch.set_num_threads(threads)
+        elif self.device.type == "cpu" and parallel is None:
+            self._governor = ThreadGovernor(DEFAULT_THREADS)
+
         self._states: dict[str, _RequestState] = {}
         self._shared_generator = torch.Generator(device=self.device)
         if seed is None:
@@ -151,7 +164,7 @@ class TorchBackend:
 
     def _native_decode(self):
         """The whole-step native decode for a few sequences (bf16 weights)."""
-        from backends.kernels import DecodeLayerWeights, decode_bf16
+        from backends.kernels import DecodeBf16, DecodeLayerWeights
         c, m = self.config, self.model
         layers = [
             DecodeLayerWeights(
@@ -161,7 +174,7 @@ class TorchBackend:
                 k_cache=k, v_cache=v, qkv_bias=layer.qkv_proj.bias,
                 q_norm=layer.q_norm, k_norm=layer.k_norm)
             for layer, (k, v) in zip(m.layers, self.kv_caches)]
-        return decode_bf16(
+        return DecodeBf16(
             self.plan.kernels, hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=self.block_size,
             eps=c.rms_norm_eps, cos_table=m.cos_table, sin_table=m.sin_table,
@@ -242,6 +255,8 @@ class TorchBackend:
     def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
         timings = StepTimings()
         t0 = time.perf_counter()
+        if self._governor is not None:
+            self._governor.before_step()
         for request_id in scheduler_output.finished_request_ids:
             self._states.pop(request_id, None)
         for scheduled in scheduler_output.requests:

@@ -150,8 +150,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "this left to compute are long: one at a time, and at most this many tokens per "
           "step until other requests have had theirs (default: a quarter of "
           "--max-num-batched-tokens)", convert=_count)
-    _flag(parser, "--threads", None, "CPU threads for the model's math (default: torch's, "
-          "one per core)", convert=_optional_int)
+    _flag(parser, "--threads", None, "CPU threads for the model's math (default: adaptive, "
+          "one per core that other processes leave free)", convert=_optional_int)
     _flag(parser, "--quantization", "none", "weight-only quantization of the linear "
           "layers: int8 per channel, int4 in groups, or gguf (keep a GGUF file's Q8_0 / "
           "Q4_0 / Q4_1 blocks); see docs/quantization.md",
@@ -263,6 +263,18 @@ def _api_key(ns: argparse.Namespace) -> str | None:
             raise BatonError(f"--api-key-file {ns.api_key_file} is empty")
         return key
     return None
+
+
+def cmd_build_kernels(ns: argparse.Namespace) -> int:
+    from backends import kernels
+    from backends.execution import CpuFeatures
+
+    path, reason = kernels.load()
+    if path is None:
+        print(f"baton: error: the native CPU kernels cannot be built: {reason}", file=sys.stderr)
+        return 2
+    print(f"{path} (this CPU runs the {CpuFeatures.detect().describe()} kernels)")
+    return 0
 
 
 def server_config_from(ns: argparse.Namespace):
@@ -417,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(exp, "--dtype", "bfloat16", "dtype of the written weights",
           choices=["float32", "bfloat16", "float16"], env=False)
     exp.set_defaults(func=cmd_export)
+
+    bk = sub.add_parser("build-kernels", formatter_class=_HelpFormatter,
+                        help="build the native CPU kernels now (every CPU kind; they are "
+                             "otherwise built on first start) into $BATON_KERNEL_CACHE")
+    bk.set_defaults(func=cmd_build_kernels)
     return parser
 
 

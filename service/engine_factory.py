@@ -93,6 +93,7 @@ def load_backend(args: EngineArgs, parallel=None, device: str | None = None,
             device=device, dtype=args.dtype, block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_positions=wanted_len, seed=args.seed, quantization=quantization,
+            threads=args.threads,
             execution=ExecutionOptions(
                 fast_paths=args.fast_paths, cpu_kind=args.cpu_kind,
                 tensor_parallel_size=args.parallel.tensor_parallel_size)),
@@ -108,10 +109,8 @@ def create_engine(args: EngineArgs) -> EngineCore:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' was asked for but no CUDA device is available")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"threads must be at least 1, got {args.threads}")
     quantization = QuantizationSpec(args.quantization, args.quantization_group_size)
     generation_config_file(args.generation_config)  # a bad path fails before the load
     chat_template = (read_chat_template(args.chat_template)   # and so does a bad template

@@ -262,13 +262,14 @@ def test_dockerfile_targets():
     build_runs = " ".join(args for op, args in stages["cpu-build"] if op == "RUN")
     assert '"torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu' \
         in build_runs
-    # The native CPU kernels are built in the build stage, every CPU kind, into
-    # the kernel cache the runtime reads; the runtime image has no compiler.
+    # The native CPU kernels are built in the build stage (C and C++ compilers),
+    # every CPU kind in one library, into the kernel cache the runtime reads;
+    # the runtime image has no compiler.
     build_envs = " ".join(args for op, args in stages["cpu-build"] if op == "ENV")
     cpu_envs = " ".join(args for op, args in cpu if op == "ENV")
     [cache] = re.findall(r"BATON_KERNEL_CACHE=(\S+)", build_envs)
     assert cache.startswith("/opt/venv/") and f"BATON_KERNEL_CACHE={cache}" in cpu_envs
-    assert re.search(r"apt-get install[^&]*\bgcc\b[^&]*\blibc6-dev\b", build_runs)
+    assert re.search(r"apt-get install[^&]*\bgcc\b[^&]*\bg\+\+[^&]*\blibc6-dev\b", build_runs)
     assert "python -m backends.kernels" in build_runs
     cpu_runs = " ".join(args for op, args in cpu if op == "RUN")
     assert "gcc" not in cpu_runs and "apt-get" not in cpu_runs

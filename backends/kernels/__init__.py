@@ -1,18 +1,27 @@
-"""Native CPU kernels: C sources built on first use and called through ctypes.
+"""Baton's native CPU kernels, as torch operators (``torch.ops.baton.*``).
 
-The sources sit beside this file and are built once per CPU kind
-(backends/execution.py: portable, avx2, avx512, avx512_bf16), each with that
-kind's instruction-set flags and never -march=native, so the library a CPU
-loads is chosen at run time by what it can do (and a lower kind can be forced
-to test its path). The first process that needs a kind compiles it with the
-system C compiler (``$CC``, else ``cc``) into a cache folder
-(``$BATON_KERNEL_CACHE``, else ``~/.cache/baton/kernels``), named by a hash of
-the sources and flags, so later processes load it at once. OpenMP resolves to
-the libgomp torch has already loaded, so kernels share torch's thread pool.
-ctypes drops the GIL for the length of a call.
+One library holds every CPU kind's build of the C kernels beside this file
+(backends/execution.py: portable, avx2, avx512, avx512_bf16; each compiled
+with that kind's instruction-set flags, never -march=native, its names
+suffixed with the kind) and ``ops.cpp``, which registers the operators with
+torch's dispatcher and calls the kind each call names (the execution plan's
+choice; a kind this CPU cannot run is refused, not attempted).
 
-Where no compiler is present ``load`` returns None and says why; the
-execution plan then chooses the torch ops, with the same numerics.
+When it is built: on first use, by the first process that needs it (a
+progress line in the log says so; about a minute on two cores, most of it
+compiling ops.cpp against torch's headers), or ahead of time with
+``baton build-kernels`` or ``python -m backends.kernels`` (the Docker image's
+build stage does that; its runtime stage has no compiler). It is kept in
+``$BATON_KERNEL_CACHE`` (default ``~/.cache/baton/kernels``) under a hash of
+the sources, flags and torch version, so later processes load it at once; a
+library found there needs no compiler. Building it needs a C and a C++
+compiler (``$CC``/``cc``, ``$CXX``/``c++``); without them ``load`` returns
+None and says why, and the execution plan chooses the torch ops. OpenMP resolves to the libgomp torch has already
+loaded, so kernels share torch's thread pool.
+
+The whole-step bf16 decode (decode_bf16.c) is called through ctypes: it
+takes a table of every layer's weights, which a dispatcher schema would
+spell as dozens of tensor lists for no gain.
 """
 
 from __future__ import annotations
@@ -26,23 +35,30 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
+import torch
 
 from backends.progress import heartbeat
 
 log = logging.getLogger("baton.kernels")
 
-_SOURCES = [Path(__file__).with_name(name) for name in (
-    "paged_attention.c", "fused_ops.c", "gemv_bf16.c", "decode_bf16.c")]
-_HEADERS = [Path(__file__).with_name("kernels.h")]
+_HERE = Path(__file__).parent
+_C_SOURCES = [_HERE / name for name in (
+    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "decode_bf16.c")]
+_HEADERS = [_HERE / "kernels.h"]
+_CPP_SOURCE = _HERE / "ops.cpp"
+
+# Kinds in the order ops.cpp numbers them (backends.execution.CPU_KINDS).
+KINDS = ("portable", "avx2", "avx512", "avx512_bf16")
 # No -ffast-math: linked with it, GCC adds crtfastmath, whose constructor
 # sets flush-to-zero / denormals-are-zero for the whole process the moment the
 # library loads. -fno-math-errno only lets sqrtf inline; the vector exp the
 # kernels need is their own (kernels.h).
-_BASE_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+_C_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 KIND_FLAGS: dict[str, list[str]] = {
@@ -51,11 +67,9 @@ KIND_FLAGS: dict[str, list[str]] = {
     "avx512": _AVX512,
     "avx512_bf16": [*_AVX512, "-mavx512bf16"],
 }
-_lock = threading.Lock()
-_state: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 
-_p = ctypes.c_void_p
-_i64 = ctypes.c_int64
+_lock = threading.Lock()
+_state: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
@@ -66,212 +80,169 @@ def cache_dir() -> Path:
     return Path(base) / "baton" / "kernels"
 
 
-def _compile(sources: list[Path], flags: list[str]) -> Path:
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *_HEADERS])
-                            + " ".join(flags).encode()
-                            + platform.machine().encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    target = out_dir / f"baton-kernels-{digest}.so"
-    # A library built earlier (or at image build time: python -m
-    # backends.kernels) needs no compiler.
+def _x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def _kinds_built() -> tuple[str, ...]:
+    return KINDS if _x86() else ("portable",)
+
+
+def _compilers() -> tuple[str, str]:
+    cc = os.environ.get("CC") or "cc"
+    cxx = os.environ.get("CXX") or "c++"
+    for tool, what in ((cc, "C"), (cxx, "C++")):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"no {what} compiler ({tool!r} is not on PATH)")
+    return cc, cxx
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """Compile and link flags for code that includes torch's headers."""
+    from torch.utils import cpp_extension
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = ["-O2", "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                     "-w", *(f"-I{p}" for p in cpp_extension.include_paths())]
+    if not _x86():
+        compile_flags.append("-DBATON_PORTABLE_ONLY")
+    link_flags = [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
+    return compile_flags, link_flags
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed: {proc.stderr.strip()[-800:]}")
+
+
+def library_path() -> Path:
+    """Where the library for these sources, flags and torch lives (built or
+    not). The compilers are not part of the key: a library built elsewhere
+    (the Docker image's build stage) loads where none is installed."""
+    compile_flags, link_flags = _torch_flags()
+    digest = hashlib.sha256()
+    for path in [*_C_SOURCES, *_HEADERS, _CPP_SOURCE]:
+        digest.update(path.read_bytes())
+    for part in (" ".join(_C_FLAGS), repr(KIND_FLAGS), " ".join(compile_flags),
+                 " ".join(link_flags), torch.__version__, platform.machine()):
+        digest.update(part.encode())
+    return cache_dir() / f"baton-kernels-{digest.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Build the library unless it is cached; returns its path. Raises
+    RuntimeError when a compiler is missing or fails."""
+    target = library_path()
     if target.exists():
         return target
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} is not on PATH) and no kernels built "
-                           f"for these sources in {out_dir}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log.info("building the native CPU kernels (%s) with %s into %s: once per source "
-             "version and CPU kind", " ".join(f for f in flags if f.startswith("-m")) or
-             "portable", cc, out_dir)
-    # Build beside the target and rename: concurrent processes never load a
-    # half-written library.
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        with heartbeat("building the native CPU kernels"):
-            proc = subprocess.run([cc, *flags, *map(str, sources), "-o", tmp, "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
-        os.chmod(tmp, 0o755)  # readable by every user of a shared cache (an image's)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    cc, cxx = _compilers()
+    compile_flags, link_flags = _torch_flags()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.warning("building the native CPU kernels for %s into %s (once per source version; "
+                "about a minute on two cores)", ", ".join(_kinds_built()), target.parent)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp, \
+            heartbeat("building the native CPU kernels"):
+        jobs = [[cxx, *compile_flags, "-c", str(_CPP_SOURCE), "-o", f"{tmp}/ops.o"]]
+        for kind in _kinds_built():
+            for src in _C_SOURCES:
+                jobs.append([cc, *_C_FLAGS, *KIND_FLAGS[kind], f"-DBATON_KIND={kind}", "-c",
+                             str(src), "-o", f"{tmp}/{src.stem}-{kind}.o"])
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            list(pool.map(_run, jobs))
+        objects = sorted(str(p) for p in Path(tmp).glob("*.o"))
+        # Link beside the target and rename: concurrent processes never load
+        # a half-written library.
+        _run([cxx, "-shared", "-fopenmp", *objects, "-o", f"{tmp}/lib.so", *link_flags, "-lm"])
+        os.chmod(f"{tmp}/lib.so", 0o755)  # readable by every user of a shared cache (an image's)
+        os.replace(f"{tmp}/lib.so", target)
+    log.warning("built the native CPU kernels in %.0f s", time.perf_counter() - start)
     return target
 
 
-def _load(kind: str) -> ctypes.CDLL:
-    if kind not in KIND_FLAGS:
-        raise ValueError(f"unknown CPU kind {kind!r}")
-    if kind != "portable" and platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"the {kind} kernels are x86-64 code")
-    try:
-        lib = ctypes.CDLL(str(_compile(_SOURCES, [*_BASE_FLAGS, *KIND_FLAGS[kind]])))
-    except OSError as exc:
-        raise RuntimeError(str(exc)) from exc
-    fn = lib.baton_paged_decode_attention_f32
-    fn.argtypes = [_p, _p, _p, ctypes.c_int, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64,
-                   _i64, ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    lib.baton_rms_norm_f32.argtypes = [_p, _p, _p, _p, _i64, _i64, ctypes.c_float, ctypes.c_int]
-    lib.baton_silu_mul_f32.argtypes = [_p, _p, _i64, _i64, ctypes.c_int]
-    lib.baton_qkv_rope_store_f32.argtypes = [
-        _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, ctypes.c_float, _p, _p, _p,
-        ctypes.c_int, _p, ctypes.c_int]
-    lib.baton_gemv_bf16.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int]
-    lib.baton_gemv_bf16_max_rows.argtypes = []
-    lib.baton_decode_bf16.argtypes = [_p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
-    lib.baton_decode_bf16_struct_sizes.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
-    lib.baton_kernels_avx2.argtypes = []
-    for fn in (lib.baton_rms_norm_f32, lib.baton_silu_mul_f32, lib.baton_qkv_rope_store_f32,
-               lib.baton_gemv_bf16, lib.baton_gemv_bf16_max_rows, lib.baton_decode_bf16,
-               lib.baton_decode_bf16_struct_sizes, lib.baton_kernels_avx2):
-        fn.restype = ctypes.c_int
-    return lib
-
-
-def load_with_reason(kind: str) -> tuple[ctypes.CDLL | None, str]:
-    """The kernel library of CPU ``kind``, built if needed, or None and why
-    not. The caller checks that this CPU can run ``kind``."""
+def load() -> tuple[Path | None, str]:
+    """The kernel library, built if needed and loaded into torch (its
+    operators registered), or None and why not. Loads once per process."""
     with _lock:
-        if kind not in _state:
+        if "result" not in _state:
             try:
-                _state[kind] = (_load(kind), "")
-            except (RuntimeError, subprocess.SubprocessError) as exc:
-                log.warning("native CPU kernels (%s) unavailable, using the torch ops: %s",
-                            kind, exc)
-                _state[kind] = (None, str(exc))
-        return _state[kind]  # type: ignore[return-value]
+                path = build()
+                torch.ops.load_library(str(path))
+                _register_fakes()
+                _state["result"] = (path, "")
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                log.warning("native CPU kernels unavailable, using the torch ops: %s", exc)
+                _state["result"] = (None, str(exc))
+        return _state["result"]  # type: ignore[return-value]
 
 
-def buildable_kinds() -> list[str]:
-    """The CPU kinds this machine's compiler can build (x86-64: all)."""
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    return [kind for kind in KIND_FLAGS if x86 or kind == "portable"]
+def available(kind: str) -> tuple[bool, str]:
+    """Whether ``kind``'s kernels can run here: the library loads and this
+    CPU runs the kind. With the reason when not."""
+    path, reason = load()
+    if path is None:
+        return False, reason
+    if not torch.ops.baton.kind_runs(kind_id(kind)):
+        return False, f"this CPU cannot run the {kind} kernels"
+    return True, ""
 
 
-def build(kinds: list[str] | None = None) -> dict[str, Path]:
-    """Build (or find) the library of each kind, whatever this CPU runs, so
-    an image can carry them all and need no compiler: the Dockerfile runs
-    ``python -m backends.kernels`` with BATON_KERNEL_CACHE set. Raises
-    RuntimeError when a build fails."""
-    return {kind: _compile(_SOURCES, [*_BASE_FLAGS, *KIND_FLAGS[kind]])
-            for kind in (kinds or buildable_kinds())}
+def kind_id(kind: str) -> int:
+    """The number ops.cpp knows ``kind`` by (the operators' last argument)."""
+    return KINDS.index(kind)
 
 
-def load(kind: str | None = None) -> ctypes.CDLL | None:
-    """The kernel library of ``kind`` (default: this CPU's own), or None."""
-    if kind is None:
-        from backends.execution import CpuFeatures
-        kind = CpuFeatures.detect().kind
-    return load_with_reason(kind)[0]
+def library() -> ctypes.CDLL:
+    """The loaded library through ctypes (plain C entry points)."""
+    path, reason = load()
+    if path is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {reason}")
+    if "cdll" not in _state:
+        _state["cdll"] = ctypes.CDLL(str(path))
+    return _state["cdll"]  # type: ignore[return-value]
 
 
-def _kv_bf16(cache: torch.Tensor) -> int:
-    if cache.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"native kernels take a float32 or bfloat16 KV cache, not {cache.dtype}")
-    return int(cache.dtype == torch.bfloat16)
+def _register_fakes() -> None:
+    """Shapes and dtypes of each operator's result without running it, for
+    torch.compile and meta tensors."""
+    fake = torch.library.register_fake
 
+    @fake("baton::rms_norm")
+    def _rms_norm(residual, delta, weight, eps, kind):
+        return torch.empty_like(residual)
 
-class PagedDecodeAttention:
-    """Callable wrapper: float32 decode attention over the paged pool (the
-    pool float32 or bfloat16)."""
+    @fake("baton::silu_mul")
+    def _silu_mul(gate_up, kind):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.baton_paged_decode_attention_f32
+    @fake("baton::qkv_rope_store")
+    def _qkv(qkv, num_heads, num_kv_heads, head_dim, positions, cos_table, sin_table, q_norm,
+             k_norm, eps, slot_mapping, k_cache, v_cache, kind):
+        return qkv.new_empty(qkv.shape[0], num_heads, head_dim)
 
-    @staticmethod
-    def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return num_kv_heads >= 1 and num_heads % num_kv_heads == 0
+    @fake("baton::paged_decode_attention")
+    def _attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, block_size,
+                   scale, kind):
+        return torch.empty_like(q)
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, max_ctx: int,
-                 block_size: int, scale: float) -> torch.Tensor:
-        """q [T, H, D] float32 -> [T, H, D]; tables [T, NB] and lens [T] int64."""
-        t, h, d = q.shape
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _kv_bf16(k_cache),
-                      block_tables.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
-                      t, h, k_cache.shape[1], d, block_tables.shape[1], block_size, max_ctx,
-                      scale, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"paged decode attention kernel failed (code {rc})")
-        return out
-
-
-def paged_decode_attention(kind: str | None = None) -> PagedDecodeAttention | None:
-    lib = load(kind)
-    return None if lib is None else PagedDecodeAttention(lib)
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-class FusedOps:
-    """One native call each for a decoder layer's elementwise steps (CPU,
-    float32, contiguous tensors). Same results as the torch formulas up to
-    float rounding."""
-
-    MAX_HEAD_DIM = 1024
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._norm = lib.baton_rms_norm_f32
-        self._silu_mul = lib.baton_silu_mul_f32
-        self._qkv = lib.baton_qkv_rope_store_f32
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual_delta: torch.Tensor | None = None) -> torch.Tensor:
-        """rms_norm(x) * weight; with ``residual_delta``, ``x += residual_delta``
-        first, in place (x is the residual stream)."""
-        out = torch.empty_like(x)
-        t, n = x.shape
-        self._norm(x.data_ptr(), _ptr(residual_delta), weight.data_ptr(), out.data_ptr(),
-                   t, n, eps, torch.get_num_threads())
-        return out
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        t, two_i = gate_up.shape
-        out = gate_up.new_empty(t, two_i // 2)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2,
-                       torch.get_num_threads())
-        return out
-
-    def qkv_rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       head_dim: int, positions: torch.Tensor, cos_table: torch.Tensor,
-                       sin_table: torch.Tensor, q_norm: torch.Tensor | None,
-                       k_norm: torch.Tensor | None, eps: float, slot_mapping: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Rotated q [T, heads, head_dim]; rotated k and v stored in the caches
-        (float32, or bfloat16 rounded to nearest even)."""
-        t = qkv.shape[0]
-        q = qkv.new_empty(t, num_heads, head_dim)
-        self._qkv(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
-                  cos_table.data_ptr(), sin_table.data_ptr(), _ptr(q_norm), _ptr(k_norm), eps,
-                  slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                  _kv_bf16(k_cache), q.data_ptr(), torch.get_num_threads())
-        return q
-
-
-def fused_ops(kind: str | None = None) -> FusedOps | None:
-    lib = load(kind)
-    return None if lib is None else FusedOps(lib)
+    @fake("baton::gemv_bf16")
+    def _gemv(x, w_tiled, out_features, bias, kind):
+        return x.new_empty(x.shape[0], out_features)
 
 
 class GemvBf16:
     """y = x @ W^T (+ bias) for up to ``max_rows`` float32 rows and bfloat16
-    weights, accumulated in float32. W is passed as ``tile(W)``: the layout
-    the kernel streams (rows padded to 8, columns to 16, tile by tile)."""
+    weights, accumulated in float32 (``torch.ops.baton.gemv_bf16``). W is
+    passed as ``tile(W)``: the layout the kernel streams (rows padded to 8,
+    columns to 16, tile by tile)."""
 
     TILE_ROWS = 8
     TILE_COLS = 16
+    max_rows = 4  # BATON_GEMV_MAX_ROWS
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.baton_gemv_bf16
-        self.max_rows = lib.baton_gemv_bf16_max_rows()
+    def __init__(self, kind: str) -> None:
+        self.kind = kind_id(kind)
 
     @classmethod
     def tile(cls, w: torch.Tensor) -> torch.Tensor:
@@ -285,21 +256,21 @@ class GemvBf16:
 
     def __call__(self, x: torch.Tensor, w_tiled: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        m, k = x.shape
-        if w_tiled.shape[1] * self.TILE_COLS != -(-k // self.TILE_COLS) * self.TILE_COLS:
-            raise ValueError(f"tiled weight has {w_tiled.shape[1]} column tiles, x has {k} columns")
-        x = x.contiguous()
-        y = x.new_empty(m, out_features)
-        rc = self._fn(x.data_ptr(), w_tiled.data_ptr(), _ptr(bias), y.data_ptr(), m,
-                      out_features, k, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"bf16 gemv kernel failed (code {rc}) for {m} rows")
-        return y
+        return torch.ops.baton.gemv_bf16(x.contiguous(), w_tiled, out_features, bias, self.kind)
 
 
-def gemv_bf16(kind: str | None = None) -> GemvBf16 | None:
-    lib = load(kind)
-    return None if lib is None else GemvBf16(lib)
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _kv_bf16(cache: torch.Tensor) -> int:
+    if cache.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native kernels take a float32 or bfloat16 KV cache, not {cache.dtype}")
+    return int(cache.dtype == torch.bfloat16)
+
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
 
 
 class _Layer(ctypes.Structure):
@@ -340,16 +311,24 @@ class DecodeBf16:
     for up to ``max_rows`` single-token rows, bfloat16 weights and float32
     arithmetic (decode_bf16.c). Holds references to every tensor it points at."""
 
-    def __init__(self, lib: ctypes.CDLL, *, hidden: int, num_heads: int, num_kv_heads: int,
+    def __init__(self, kind: str, *, hidden: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate: int, block_size: int, eps: float,
                  cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
                  layers: list[DecodeLayerWeights]) -> None:
+        ok, reason = available(kind)
+        if not ok:
+            raise RuntimeError(reason)
+        lib = library()
+        sizes = getattr(lib, f"baton_decode_bf16_struct_sizes_{kind}")
+        sizes.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
         layer_size, model_size = _i64(), _i64()
-        lib.baton_decode_bf16_struct_sizes(ctypes.byref(layer_size), ctypes.byref(model_size))
+        sizes(ctypes.byref(layer_size), ctypes.byref(model_size))
         if (layer_size.value, model_size.value) != (ctypes.sizeof(_Layer), ctypes.sizeof(_Model)):
             raise RuntimeError("decode_bf16.c and its ctypes mirror disagree on struct layout")
-        self._fn = lib.baton_decode_bf16
-        self.max_rows = lib.baton_gemv_bf16_max_rows()
+        self._fn = getattr(lib, f"baton_decode_bf16_{kind}")
+        self._fn.argtypes = [_p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        self.max_rows = GemvBf16.max_rows
         self.hidden = hidden
         tensors = [cos_table, sin_table, final_norm]
         for w in layers:
@@ -387,8 +366,3 @@ class DecodeBf16:
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc}) for {m} rows")
         return out
-
-
-def decode_bf16(kind: str | None = None, **kwargs) -> DecodeBf16 | None:
-    lib = load(kind)
-    return None if lib is None else DecodeBf16(lib, **kwargs)

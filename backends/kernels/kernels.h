@@ -7,6 +7,34 @@
 #ifndef BATON_KERNELS_H
 #define BATON_KERNELS_H
 
+/* Every source is compiled once per CPU kind (-DBATON_KIND=avx2 and that
+ * kind's -m flags) into one library: each exported name gets the kind as a
+ * suffix (baton_silu_mul_f32 -> baton_silu_mul_f32_avx2), and ops.cpp picks
+ * the kind at run time. */
+#ifdef BATON_KIND
+#define BATON_CAT2(a, b) a##_##b
+#define BATON_CAT(a, b) BATON_CAT2(a, b)
+#define BATON_FN(name) BATON_CAT(name, BATON_KIND)
+#else
+#define BATON_FN(name) name
+#endif
+#define baton_rms_norm_f32 BATON_FN(baton_rms_norm_f32)
+#define baton_silu_mul_f32 BATON_FN(baton_silu_mul_f32)
+#define baton_qkv_rope_store_f32 BATON_FN(baton_qkv_rope_store_f32)
+#define baton_qkv_rope_store_row BATON_FN(baton_qkv_rope_store_row)
+#define baton_rms_norm_bf16 BATON_FN(baton_rms_norm_bf16)
+#define baton_silu_mul_bf16 BATON_FN(baton_silu_mul_bf16)
+#define baton_qkv_rope_store_bf16 BATON_FN(baton_qkv_rope_store_bf16)
+#define baton_paged_decode_attention_f32 BATON_FN(baton_paged_decode_attention_f32)
+#define baton_paged_decode_attention_bf16 BATON_FN(baton_paged_decode_attention_bf16)
+#define baton_attention_task BATON_FN(baton_attention_task)
+#define baton_gemv_bf16 BATON_FN(baton_gemv_bf16)
+#define baton_gemv_tiles BATON_FN(baton_gemv_tiles)
+#define baton_gemv_bf16_max_rows BATON_FN(baton_gemv_bf16_max_rows)
+#define baton_kernels_avx2 BATON_FN(baton_kernels_avx2)
+#define baton_decode_bf16 BATON_FN(baton_decode_bf16)
+#define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
+
 #include <math.h>
 #include <stdint.h>
 
@@ -64,8 +92,40 @@ static inline uint16_t baton_f32_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* dst[i] = bf16(x[i]), rounded to nearest even (NaN stays NaN). */
 static inline void baton_store_bf16(const float *x, uint16_t *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = baton_f32_to_bf16(x[i]);
+    int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#elif defined(BATON_AVX2)
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(
+            _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16),
+                                                  _mm256_set1_epi32(0x40)), nan);
+        /* eight 32-bit lanes -> eight 16-bit values (packus works per 128-bit half) */
+        const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(lo, hi));
+    }
+#endif
+    for (; i < n; i++) dst[i] = baton_f32_to_bf16(x[i]);
+}
+
+/* dst[i] = float(src[i]) (exact). */
+static inline void baton_load_bf16(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef BATON_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
+#endif
+    for (; i < n; i++) dst[i] = baton_bf16_to_f32(src[i]);
 }
 
 /* sum(x[i] * y[i]) with y in bfloat16 */

@@ -1,0 +1,116 @@
+"""How many CPU threads the model's math uses, adjusted to what other
+processes leave free.
+
+On a small machine another busy process turns every OpenMP barrier into a
+wait for a descheduled thread: with two threads on two cores and one core
+taken, inter-token latency rose from ~38 ms to ~470 ms (the waiting threads
+spin through their time slices). One thread fewer than the cores the others
+leave free avoids that. ``ThreadGovernor`` samples, at most once per
+``interval`` seconds and at the start of a step, how much CPU time the rest
+of the machine used (``/proc/stat`` minus this process's own share) and sets
+torch's thread count to the cores left: fewer at once when others are busy,
+more again only after the machine has been quiet for two samples in a row.
+
+Pure bookkeeping around two clocks: a sample costs tens of microseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("baton.backend")
+
+# torch's own default (one thread per physical core), taken before any
+# governor changes it.
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+def _system_busy_seconds() -> float | None:
+    """CPU seconds spent busy by all CPUs since boot (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    # user nice system idle iowait irq softirq steal (guest is inside user)
+    busy = sum(ticks[i] for i in (0, 1, 2, 5, 6, 7) if i < len(ticks))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(slots=True)
+class _Sample:
+    wall: float
+    system: float
+    own: float
+
+
+class ThreadGovernor:
+    """Keeps torch's intra-op thread count at the cores other processes
+    leave free, between 1 and ``max_threads``. Call ``before_step()`` from
+    the thread that runs the model (OpenMP's thread count is per calling
+    thread)."""
+
+    def __init__(self, max_threads: int, interval: float = 1.0) -> None:
+        self.max_threads = max(1, max_threads)
+        self.interval = interval
+        self.threads = self.max_threads
+        self.others_busy = 0.0        # CPUs the rest of the machine used, last sample
+        self._quiet_samples = 0
+        self._last = self._sample()
+        self._applied: int | None = None
+
+    @staticmethod
+    def _sample() -> _Sample | None:
+        system = _system_busy_seconds()
+        if system is None:
+            return None
+        return _Sample(time.monotonic(), system, _own_seconds())
+
+    def before_step(self) -> int:
+        """Re-sample if the interval has passed; returns the thread count in force."""
+        if self._last is not None and time.monotonic() - self._last.wall >= self.interval:
+            now = self._sample()
+            if now is not None:
+                elapsed = now.wall - self._last.wall
+                others = (now.system - self._last.system) - (now.own - self._last.own)
+                self.observe(max(0.0, others / elapsed))
+                self._last = now
+        if self._applied != self.threads:
+            if self._applied is not None:  # a change, not the first setting: rare
+                log.info("CPU threads %d -> %d (other processes used %.1f CPUs)",
+                         self._applied, self.threads, self.others_busy)
+            torch.set_num_threads(self.threads)
+            self._applied = self.threads
+        return self.threads
+
+    def observe(self, others_busy: float) -> int:
+        """Take one sample: other processes used ``others_busy`` CPUs on
+        average since the last one. Returns the thread count now wanted."""
+        self.others_busy = others_busy
+        # A core counts as taken once others use more than half of it.
+        free = max(1, min(self.max_threads, self.max_threads - int(self.others_busy + 0.5)))
+        if free < self.threads:
+            self.threads = free
+            self._quiet_samples = 0
+        elif free > self.threads:
+            self._quiet_samples += 1
+            if self._quiet_samples >= 2:
+                self.threads = free
+                self._quiet_samples = 0
+        else:
+            self._quiet_samples = 0
+        return self.threads

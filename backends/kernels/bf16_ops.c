@@ -1,0 +1,125 @@
+/* The fused steps and decode attention for bfloat16 activations (CPUs with
+ * native bf16 run the whole model in bf16). Each widens its bf16 inputs to
+ * float32, computes in float32 as the float32 kernels do, and rounds once,
+ * to nearest even, when it stores a bf16 result (torch's bf16 ops round after
+ * every elementary op; these round once per fused step, so they are at least
+ * as accurate).
+ *
+ *   rms_norm_bf16        [residual += delta (rounded);] out = rms_norm(residual) * w
+ *   silu_mul_bf16        out = silu(gate) * up
+ *   qkv_rope_store_bf16  q/k norm, rotary, K/V into the cache (bf16 or f32), q out
+ *   paged_decode_attention_bf16  q and out bf16; the cache bf16 or float32
+ *
+ * Norm weights, rotary tables and q/k norm weights are bf16 like the model.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define PAR_MIN_ELEMS 16384
+
+
+int baton_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *w,
+                        uint16_t *out, int64_t T, int64_t n, float eps, int num_threads) {
+    #pragma omp parallel num_threads(num_threads) if (T * n >= PAR_MIN_ELEMS)
+    {
+        float *buf = (float *)malloc(sizeof(float) * 3 * n);
+        float *x = buf, *d = buf + n, *wf = buf + 2 * n;
+        if (buf != NULL) baton_load_bf16(w, wf, n);
+        #pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            if (buf == NULL) continue;
+            uint16_t *r = residual + t * n;
+            baton_load_bf16(r, x, n);
+            if (delta != 0) {
+                baton_load_bf16(delta + t * n, d, n);
+                #pragma omp simd
+                for (int64_t i = 0; i < n; i++) x[i] += d[i];
+                /* The residual stream stays bf16: round, and norm the rounded values. */
+                baton_store_bf16(x, r, n);
+                baton_load_bf16(r, x, n);
+            }
+            const float inv = baton_inv_rms(x, n, eps);
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) x[i] = wf[i] * (x[i] * inv);
+            baton_store_bf16(x, out + t * n, n);
+        }
+        free(buf);
+    }
+    return 0;
+}
+
+int baton_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I,
+                        int num_threads) {
+    #pragma omp parallel num_threads(num_threads) if (T * I >= PAR_MIN_ELEMS)
+    {
+        float *buf = (float *)malloc(sizeof(float) * 3 * I);
+        #pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            if (buf == NULL) continue;
+            baton_load_bf16(gate_up + t * 2 * I, buf, 2 * I);
+            baton_silu_mul_row(buf, buf + I, buf + 2 * I, I);
+            baton_store_bf16(buf + 2 * I, out + t * I, I);
+        }
+        free(buf);
+    }
+    return 0;
+}
+
+int baton_qkv_rope_store_bf16(
+        const uint16_t *qkv, int64_t T, int64_t H, int64_t KVH, int64_t D,
+        const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
+        const uint16_t *q_norm, const uint16_t *k_norm, float eps,
+        const int64_t *slot_mapping, void *k_cache, void *v_cache, int kv_bf16,
+        uint16_t *q_out, int num_threads) {
+    if (D > 1024) return 1;
+    const int64_t width = (H + 2 * KVH) * D;
+    float qn[1024], kn[1024];
+    if (q_norm != 0) {
+        baton_load_bf16(q_norm, qn, D);
+        baton_load_bf16(k_norm, kn, D);
+    }
+    #pragma omp parallel num_threads(num_threads) if (T * width >= PAR_MIN_ELEMS)
+    {
+        /* the row, its q out, and the position's cos and sin rows */
+        float *buf = (float *)malloc(sizeof(float) * (width + H * D + 2 * D));
+        float *row = buf, *q = buf + width, *cs = q + H * D, *sn = cs + D;
+        #pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            if (buf == NULL) continue;
+            baton_load_bf16(qkv + t * width, row, width);
+            baton_load_bf16(cos_table + positions[t] * D, cs, D);
+            baton_load_bf16(sin_table + positions[t] * D, sn, D);
+            baton_qkv_rope_store_row(row, H, KVH, D, 0, cs, sn, q_norm ? qn : 0,
+                                     k_norm ? kn : 0, eps, slot_mapping[t], k_cache, v_cache,
+                                     kv_bf16, q);
+            baton_store_bf16(q, q_out + t * H * D, H * D);
+        }
+        free(buf);
+    }
+    return 0;
+}
+
+int baton_paged_decode_attention_f32(
+        const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
+        const int64_t *block_tables, const int64_t *ctx_lens, float *out,
+        int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+        int64_t block_size, int64_t max_ctx, float scale, int num_threads);
+
+int baton_paged_decode_attention_bf16(
+        const uint16_t *q, const void *k_cache, const void *v_cache, int kv_bf16,
+        const int64_t *block_tables, const int64_t *ctx_lens, uint16_t *out,
+        int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+        int64_t block_size, int64_t max_ctx, float scale, int num_threads) {
+    /* q and out are T * H * D values: small next to the cache the kernel reads. */
+    float *buf = (float *)malloc(sizeof(float) * 2 * T * H * D);
+    if (buf == NULL) return 2;
+    baton_load_bf16(q, buf, T * H * D);
+    const int rc = baton_paged_decode_attention_f32(
+        buf, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, buf + T * H * D, T, H, KVH, D,
+        max_blocks, block_size, max_ctx, scale, num_threads);
+    if (rc == 0) baton_store_bf16(buf + T * H * D, out, T * H * D);
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,328 @@
+// Baton's CPU kernels as torch operators (namespace "baton").
+//
+// The C kernels (*.c beside this file) are compiled once per CPU kind, each
+// with its own instruction-set flags and a _<kind> suffix on every name, and
+// linked with this file into one library. Each operator takes the kind to run
+// as its last argument (the execution plan's choice, backends/execution.py),
+// checks that this CPU can run it, checks dtypes, shapes and devices, and
+// calls that kind's kernel. Registered through TORCH_LIBRARY, the operators
+// go through torch's dispatcher: the profiler records them by name, and
+// torch.compile treats them as opaque calls (their fake implementations are
+// registered in Python, backends/kernels/__init__.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+
+extern "C" {
+#define BATON_DECLARE(kind)                                                                  \
+  int baton_rms_norm_f32_##kind(float*, const float*, const float*, float*, int64_t, int64_t, \
+                                float, int);                                                 \
+  int baton_rms_norm_bf16_##kind(uint16_t*, const uint16_t*, const uint16_t*, uint16_t*,     \
+                                 int64_t, int64_t, float, int);                              \
+  int baton_silu_mul_f32_##kind(const float*, float*, int64_t, int64_t, int);               \
+  int baton_silu_mul_bf16_##kind(const uint16_t*, uint16_t*, int64_t, int64_t, int);        \
+  int baton_qkv_rope_store_f32_##kind(const float*, int64_t, int64_t, int64_t, int64_t,     \
+                                      const int64_t*, const float*, const float*,           \
+                                      const float*, const float*, float, const int64_t*,    \
+                                      void*, void*, int, float*, int);                      \
+  int baton_qkv_rope_store_bf16_##kind(const uint16_t*, int64_t, int64_t, int64_t, int64_t, \
+                                       const int64_t*, const uint16_t*, const uint16_t*,    \
+                                       const uint16_t*, const uint16_t*, float,             \
+                                       const int64_t*, void*, void*, int, uint16_t*, int);  \
+  int baton_paged_decode_attention_f32_##kind(const float*, const void*, const void*, int,  \
+                                              const int64_t*, const int64_t*, float*,       \
+                                              int64_t, int64_t, int64_t, int64_t, int64_t,  \
+                                              int64_t, int64_t, float, int);                \
+  int baton_paged_decode_attention_bf16_##kind(const uint16_t*, const void*, const void*,   \
+                                               int, const int64_t*, const int64_t*,         \
+                                               uint16_t*, int64_t, int64_t, int64_t,        \
+                                               int64_t, int64_t, int64_t, int64_t, float,   \
+                                               int);                                        \
+  int baton_gemv_bf16_##kind(const float*, const uint16_t*, const float*, float*, int64_t,  \
+                             int64_t, int64_t, int);                                        \
+  int baton_gemv_bf16_max_rows_##kind(void);
+BATON_DECLARE(portable)
+#ifndef BATON_PORTABLE_ONLY
+BATON_DECLARE(avx2)
+BATON_DECLARE(avx512)
+BATON_DECLARE(avx512_bf16)
+#endif
+}
+
+namespace {
+
+// Kinds in the order of backends.execution.CPU_KINDS.
+constexpr int kNumKinds = 4;
+const char* const kKindNames[kNumKinds] = {"portable", "avx2", "avx512", "avx512_bf16"};
+
+#ifdef BATON_PORTABLE_ONLY  // not x86-64: the other kinds are never run (cpu_runs)
+#define BATON_TABLE(fn) {fn##_portable, fn##_portable, fn##_portable, fn##_portable}
+#else
+#define BATON_TABLE(fn) {fn##_portable, fn##_avx2, fn##_avx512, fn##_avx512_bf16}
+#endif
+decltype(&baton_rms_norm_f32_portable) const rms_norm_f32[] = BATON_TABLE(baton_rms_norm_f32);
+decltype(&baton_rms_norm_bf16_portable) const rms_norm_bf16[] =
+    BATON_TABLE(baton_rms_norm_bf16);
+decltype(&baton_silu_mul_f32_portable) const silu_mul_f32[] = BATON_TABLE(baton_silu_mul_f32);
+decltype(&baton_silu_mul_bf16_portable) const silu_mul_bf16[] =
+    BATON_TABLE(baton_silu_mul_bf16);
+decltype(&baton_qkv_rope_store_f32_portable) const qkv_f32[] =
+    BATON_TABLE(baton_qkv_rope_store_f32);
+decltype(&baton_qkv_rope_store_bf16_portable) const qkv_bf16[] =
+    BATON_TABLE(baton_qkv_rope_store_bf16);
+decltype(&baton_paged_decode_attention_f32_portable) const attention_f32[] =
+    BATON_TABLE(baton_paged_decode_attention_f32);
+decltype(&baton_paged_decode_attention_bf16_portable) const attention_bf16[] =
+    BATON_TABLE(baton_paged_decode_attention_bf16);
+decltype(&baton_gemv_bf16_portable) const gemv_bf16[] = BATON_TABLE(baton_gemv_bf16);
+decltype(&baton_gemv_bf16_max_rows_portable) const gemv_max_rows[] =
+    BATON_TABLE(baton_gemv_bf16_max_rows);
+
+bool cpu_runs(int kind) {
+#if defined(BATON_PORTABLE_ONLY) || !(defined(__x86_64__) || defined(__i386__))
+  return kind == 0;
+#endif
+  switch (kind) {
+    case 0: return true;
+    case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case 2: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                   cpu_runs(1);
+    case 3: return cpu_runs(2) && __builtin_cpu_supports("avx512bf16");
+    default: return false;
+  }
+}
+
+int check_kind(int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind < kNumKinds, "baton: unknown CPU kind ", kind);
+  static const bool runs[kNumKinds] = {cpu_runs(0), cpu_runs(1), cpu_runs(2), cpu_runs(3)};
+  TORCH_CHECK(runs[kind], "baton: this CPU cannot run the ", kKindNames[kind], " kernels");
+  return static_cast<int>(kind);
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "baton: ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "baton: ", name, " must be contiguous");
+}
+
+void check_act(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "baton: ",
+              name, " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "baton: ", name, " must be ",
+              ref.scalar_type(), ", got ", t.scalar_type());
+}
+
+void check_long(const at::Tensor& t, const char* name, int64_t numel) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kLong, "baton: ", name, " must be int64");
+  TORCH_CHECK(t.numel() == numel, "baton: ", name, " must hold ", numel, " values, got ",
+              t.numel());
+}
+
+int kv_bf16(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kvh, int64_t d) {
+  check_cpu(k_cache, "k_cache");
+  check_like(v_cache, k_cache, "v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "baton: the KV cache must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == kvh && k_cache.size(2) == d &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "baton: the KV caches must be [slots, ", kvh, ", ", d, "]");
+  return k_cache.scalar_type() == at::kBFloat16;
+}
+
+int threads() { return at::get_num_threads(); }
+
+void check_rc(int rc, const char* what) {
+  TORCH_CHECK(rc == 0, "baton: ", what, " kernel failed (code ", rc, ")");
+}
+
+at::Tensor rms_norm(at::Tensor residual, const std::optional<at::Tensor>& delta,
+                    const at::Tensor& weight, double eps, int64_t kind) {
+  const int k = check_kind(kind);
+  check_act(residual, "residual");
+  TORCH_CHECK(residual.dim() == 2, "baton: rms_norm takes [tokens, hidden]");
+  const int64_t t = residual.size(0), n = residual.size(1);
+  check_like(weight, residual, "weight");
+  TORCH_CHECK(weight.numel() == n, "baton: rms_norm weight must hold ", n, " values");
+  if (delta) {
+    check_like(*delta, residual, "delta");
+    TORCH_CHECK(delta->sizes() == residual.sizes(), "baton: delta must match the residual");
+  }
+  at::Tensor out = at::empty_like(residual);
+  int rc;
+  if (residual.scalar_type() == at::kFloat)
+    rc = rms_norm_f32[k](residual.data_ptr<float>(),
+                         delta ? delta->data_ptr<float>() : nullptr, weight.data_ptr<float>(),
+                         out.data_ptr<float>(), t, n, static_cast<float>(eps), threads());
+  else
+    rc = rms_norm_bf16[k](static_cast<uint16_t*>(residual.data_ptr()),
+                          delta ? static_cast<const uint16_t*>(delta->data_ptr()) : nullptr,
+                          static_cast<const uint16_t*>(weight.data_ptr()),
+                          static_cast<uint16_t*>(out.data_ptr()), t, n,
+                          static_cast<float>(eps), threads());
+  check_rc(rc, "rms_norm");
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t kind) {
+  const int k = check_kind(kind);
+  check_act(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "baton: silu_mul takes [tokens, 2 * intermediate]");
+  const int64_t t = gate_up.size(0), i = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({t, i}, gate_up.options());
+  int rc;
+  if (gate_up.scalar_type() == at::kFloat)
+    rc = silu_mul_f32[k](gate_up.data_ptr<float>(), out.data_ptr<float>(), t, i, threads());
+  else
+    rc = silu_mul_bf16[k](static_cast<const uint16_t*>(gate_up.data_ptr()),
+                          static_cast<uint16_t*>(out.data_ptr()), t, i, threads());
+  check_rc(rc, "silu_mul");
+  return out;
+}
+
+at::Tensor qkv_rope_store(const at::Tensor& qkv, int64_t h, int64_t kvh, int64_t d,
+                          const at::Tensor& positions, const at::Tensor& cos_table,
+                          const at::Tensor& sin_table, const std::optional<at::Tensor>& q_norm,
+                          const std::optional<at::Tensor>& k_norm, double eps,
+                          const at::Tensor& slot_mapping, at::Tensor k_cache,
+                          at::Tensor v_cache, int64_t kind) {
+  const int k = check_kind(kind);
+  check_act(qkv, "qkv");
+  TORCH_CHECK(d <= 1024 && d % 2 == 0, "baton: head_dim must be even and at most 1024");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (h + 2 * kvh) * d,
+              "baton: qkv must be [tokens, ", (h + 2 * kvh) * d, "]");
+  const int64_t t = qkv.size(0);
+  check_long(positions, "positions", t);
+  check_long(slot_mapping, "slot_mapping", t);
+  check_like(cos_table, qkv, "cos_table");
+  check_like(sin_table, qkv, "sin_table");
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == d &&
+                  sin_table.sizes() == cos_table.sizes(),
+              "baton: rotary tables must be [positions, ", d, "]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "baton: q_norm and k_norm go together");
+  if (q_norm) {
+    check_like(*q_norm, qkv, "q_norm");
+    check_like(*k_norm, qkv, "k_norm");
+    TORCH_CHECK(q_norm->numel() == d && k_norm->numel() == d, "baton: q/k norms hold head_dim");
+  }
+  const int bf16_kv = kv_bf16(k_cache, v_cache, kvh, d);
+  at::Tensor q = at::empty({t, h, d}, qkv.options());
+  int rc;
+  if (qkv.scalar_type() == at::kFloat)
+    rc = qkv_f32[k](qkv.data_ptr<float>(), t, h, kvh, d, positions.data_ptr<int64_t>(),
+                    cos_table.data_ptr<float>(), sin_table.data_ptr<float>(),
+                    q_norm ? q_norm->data_ptr<float>() : nullptr,
+                    k_norm ? k_norm->data_ptr<float>() : nullptr, static_cast<float>(eps),
+                    slot_mapping.data_ptr<int64_t>(), k_cache.data_ptr(), v_cache.data_ptr(),
+                    bf16_kv, q.data_ptr<float>(), threads());
+  else
+    rc = qkv_bf16[k](static_cast<const uint16_t*>(qkv.data_ptr()), t, h, kvh, d,
+                     positions.data_ptr<int64_t>(),
+                     static_cast<const uint16_t*>(cos_table.data_ptr()),
+                     static_cast<const uint16_t*>(sin_table.data_ptr()),
+                     q_norm ? static_cast<const uint16_t*>(q_norm->data_ptr()) : nullptr,
+                     k_norm ? static_cast<const uint16_t*>(k_norm->data_ptr()) : nullptr,
+                     static_cast<float>(eps), slot_mapping.data_ptr<int64_t>(),
+                     k_cache.data_ptr(), v_cache.data_ptr(), bf16_kv,
+                     static_cast<uint16_t*>(q.data_ptr()), threads());
+  check_rc(rc, "qkv_rope_store");
+  return q;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, int64_t max_seq_len,
+                                  int64_t block_size, double scale, int64_t kind) {
+  const int k = check_kind(kind);
+  check_act(q, "q");
+  TORCH_CHECK(q.dim() == 3, "baton: q must be [tokens, heads, head_dim]");
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t kvh = k_cache.dim() == 3 ? k_cache.size(1) : 0;
+  TORCH_CHECK(kvh >= 1 && h % kvh == 0, "baton: heads must be a multiple of kv heads");
+  const int bf16_kv = kv_bf16(k_cache, v_cache, kvh, d);
+  check_cpu(block_tables, "block_tables");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.size(0) == t,
+              "baton: block_tables must be int64 [tokens, blocks]");
+  check_long(seq_lens, "seq_lens", t);
+  TORCH_CHECK(block_size >= 1 && block_tables.size(1) * block_size >= max_seq_len,
+              "baton: block tables too short for max_seq_len");
+  TORCH_CHECK(k_cache.size(0) % block_size == 0, "baton: cache slots not whole blocks");
+  at::Tensor out = at::empty_like(q);
+  int rc;
+  if (q.scalar_type() == at::kFloat)
+    rc = attention_f32[k](q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bf16_kv,
+                          block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                          out.data_ptr<float>(), t, h, kvh, d, block_tables.size(1),
+                          block_size, max_seq_len, static_cast<float>(scale), threads());
+  else
+    rc = attention_bf16[k](static_cast<const uint16_t*>(q.data_ptr()), k_cache.data_ptr(),
+                           v_cache.data_ptr(), bf16_kv, block_tables.data_ptr<int64_t>(),
+                           seq_lens.data_ptr<int64_t>(), static_cast<uint16_t*>(out.data_ptr()),
+                           t, h, kvh, d, block_tables.size(1), block_size, max_seq_len,
+                           static_cast<float>(scale), threads());
+  check_rc(rc, "paged_decode_attention");
+  return out;
+}
+
+at::Tensor gemv_bf16_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t out_features,
+                        const std::optional<at::Tensor>& bias, int64_t kind) {
+  const int k = check_kind(kind);
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "baton: x must be float32 [M, K]");
+  const int64_t m = x.size(0), kk = x.size(1);
+  TORCH_CHECK(m >= 1 && m <= gemv_max_rows[k](), "baton: gemv_bf16 takes 1 to ",
+              gemv_max_rows[k](), " rows, got ", m);
+  check_cpu(w_tiled, "w_tiled");
+  TORCH_CHECK(w_tiled.scalar_type() == at::kBFloat16 && w_tiled.dim() == 4 &&
+                  w_tiled.size(0) * 8 >= out_features && w_tiled.size(1) * 16 == (kk + 15) / 16 * 16,
+              "baton: w_tiled must be the tiled bf16 layout of a [", out_features, ", ", kk,
+              "] matrix");
+  if (bias) {
+    check_like(*bias, x, "bias");
+    TORCH_CHECK(bias->numel() == out_features, "baton: bias must hold out_features values");
+  }
+  at::Tensor y = at::empty({m, out_features}, x.options());
+  check_rc(gemv_bf16[k](x.data_ptr<float>(), static_cast<const uint16_t*>(w_tiled.data_ptr()),
+                        bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), m,
+                        out_features, kk, threads()),
+           "gemv_bf16");
+  return y;
+}
+
+bool kind_runs(int64_t kind) { return kind >= 0 && kind < kNumKinds && cpu_runs(kind); }
+
+}  // namespace
+
+TORCH_LIBRARY(baton, m) {
+  m.def("rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, int kind) "
+        "-> Tensor");
+  m.def("silu_mul(Tensor gate_up, int kind) -> Tensor");
+  m.def("qkv_rope_store(Tensor qkv, int num_heads, int num_kv_heads, int head_dim, "
+        "Tensor positions, Tensor cos_table, Tensor sin_table, Tensor? q_norm, "
+        "Tensor? k_norm, float eps, Tensor slot_mapping, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, int kind) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, int max_seq_len, int block_size, float scale, "
+        "int kind) -> Tensor");
+  m.def("gemv_bf16(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
+        "-> Tensor");
+  m.def("kind_runs(int kind) -> bool", kind_runs);
+}
+
+TORCH_LIBRARY_IMPL(baton, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("qkv_rope_store", qkv_rope_store);
+  m.impl("paged_decode_attention", paged_decode_attention);
+  m.impl("gemv_bf16", gemv_bf16_op);
+}

@@ -1,0 +1,43 @@
+"""The thread governor: fewer threads at once when other processes take
+cores, more again only after the machine has stayed quiet."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.cpu_threads import ThreadGovernor
+
+
+def test_governor_yields_taken_cores_at_once_and_takes_them_back_slowly():
+    before = torch.get_num_threads()
+    try:
+        gov = ThreadGovernor(max_threads=4, interval=3600)
+        assert gov.threads == 4
+        assert gov.observe(0.3) == 4          # a light client: not a core
+        assert gov.observe(1.2) == 3          # one core taken: drop at once
+        assert gov.observe(2.9) == 1          # three taken
+        assert gov.observe(9.0) == 1          # never below one
+        assert gov.observe(0.0) == 1          # quiet once: wait
+        assert gov.observe(0.1) == 4          # quiet twice: take them back
+        assert gov.observe(1.6) == 2
+        assert gov.observe(0.9) == 2          # one quiet-ish sample, then busy again
+        assert gov.observe(1.5) == 2
+        assert gov.before_step() == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_governor_samples_this_machine():
+    """On Linux the first real sample measures something in [0, cores]."""
+    import os
+    before = torch.get_num_threads()
+    try:
+        gov = ThreadGovernor(max_threads=2, interval=0.0)
+        x = torch.randn(256, 256)
+        for _ in range(20):
+            x = x @ x.T / 256
+        gov.before_step()
+        assert 0.0 <= gov.others_busy <= (os.cpu_count() or 1) + 0.5
+        assert 1 <= gov.threads <= 2
+    finally:
+        torch.set_num_threads(before)
