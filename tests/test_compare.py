@@ -164,3 +164,21 @@ async def test_workload_table_same_prompts_for_each_server_and_pair_bounds(
     assert [r["bound"] for r in ratios] == [0.25, 1.0]
     assert report["servers"]["off"][0]["long-prefill"]["long_ttft_ms"] > 0
     assert report["workloads"]["long-prefill"]["options"]["output_len"] == 4
+
+
+async def test_contention_measures_quiet_and_contended(fake_server, capsys):  # noqa: F811
+    """benchmarks/contention.py: c=1 quiet, then with a busy process that it
+    starts and stops itself; one row per server."""
+    from benchmarks import contention
+    url, state = await fake_server()
+    args = contention.parse_args(["--server", f"fake={url}", "--hogs", "1", "--settle", "0",
+                                  "--num-requests", "2", "--prompt-len", "8",
+                                  "--output-len", "5"])
+    assert await contention._main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| server | quiet tok/s | quiet ITL p50 (ms) |" in printed
+    [row] = [line for line in printed.splitlines() if line.startswith("| fake |")]
+    assert "-" not in row.split("|")[2]  # a figure, not a blank
+    # two warm-ups and 2 + 2 measured requests, every prompt distinct
+    measured = [json.dumps(b["prompt"]) for b in state.bodies if b.get("max_tokens") == 5]
+    assert len(measured) == 4 and len(set(measured)) == 4
