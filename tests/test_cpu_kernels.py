@@ -183,8 +183,10 @@ def test_silu_mul_matches_torch_over_the_whole_range(kind):
 
 # ------------------------------------------------------ bfloat16 activations
 # Each bf16 operator widens its inputs, computes in float32 and rounds once
-# on store: the reference is the float32 computation on the widened inputs,
-# rounded; one bf16 ulp apart at most (float32 summation order).
+# on store (RMSNorm twice: the normed row, then its product with the weight,
+# the reference implementation's order): the reference is the float32
+# computation on the widened inputs, rounded so; one bf16 ulp apart at most
+# (float32 summation order).
 BF16_ULP = dict(atol=1e-6, rtol=2 ** -7)
 
 
@@ -192,15 +194,15 @@ def _bf16(*shape, gen, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
 
 
-def test_bf16_rms_norm_and_silu_round_once(kind):
+def test_bf16_rms_norm_and_silu_round_like_the_reference(kind):
     k = native.kind_id(kind)
     gen = torch.Generator().manual_seed(21)
     t, n = 5, 200
     residual, delta, w = _bf16(t, n, gen=gen, scale=3), _bf16(t, n, gen=gen), _bf16(n, gen=gen)
     summed = (residual.float() + delta.float()).to(torch.bfloat16)
     x = summed.float()
-    ref = (w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))).to(
-        torch.bfloat16)
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    ref = w * normed  # bf16 x bf16, rounded: transformers' LlamaRMSNorm in bf16
     out = torch.ops.baton.rms_norm(residual, delta, w, 1e-6, k)
     assert torch.equal(residual, summed)  # the residual stream, updated in place
     torch.testing.assert_close(out.float(), ref.float(), **BF16_ULP)

@@ -5,7 +5,8 @@
  * every elementary op; these round once per fused step, so they are at least
  * as accurate).
  *
- *   rms_norm_bf16        [residual += delta (rounded);] out = rms_norm(residual) * w
+ *   rms_norm_bf16        [residual += delta (rounded);] out = w * bf16(rms_norm(residual)),
+ *                        rounded in the reference's order (two roundings)
  *   silu_mul_bf16        out = silu(gate) * up
  *   qkv_rope_store_bf16  q/k norm, rotary, K/V into the cache (bf16 or f32), q out
  *   paged_decode_attention_bf16  q and out bf16; the cache bf16 or float32
@@ -24,8 +25,10 @@ int baton_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_
                         uint16_t *out, int64_t T, int64_t n, float eps, int num_threads) {
     #pragma omp parallel num_threads(num_threads) if (T * n >= PAR_MIN_ELEMS)
     {
-        float *buf = (float *)malloc(sizeof(float) * 3 * n);
+        /* x, delta and w widened, plus n bf16 values for the rounded norm */
+        float *buf = (float *)malloc(sizeof(float) * 3 * n + sizeof(uint16_t) * n);
         float *x = buf, *d = buf + n, *wf = buf + 2 * n;
+        uint16_t *xr = (uint16_t *)(buf + 3 * n);
         if (buf != NULL) baton_load_bf16(w, wf, n);
         #pragma omp for
         for (int64_t t = 0; t < T; t++) {
@@ -42,7 +45,16 @@ int baton_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_
             }
             const float inv = baton_inv_rms(x, n, eps);
             #pragma omp simd
-            for (int64_t i = 0; i < n; i++) x[i] = wf[i] * (x[i] * inv);
+            for (int64_t i = 0; i < n; i++) x[i] *= inv;
+            /* The reference's order: the normed row is rounded to bf16 before
+             * the weight multiplies it (then the product is rounded). Rounding
+             * once instead is no less accurate, but it moves near-ties of the
+             * greedy choice away from what transformers and the torch ops
+             * pick in bf16. */
+            baton_store_bf16(x, xr, n);
+            baton_load_bf16(xr, x, n);
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) x[i] *= wf[i];
             baton_store_bf16(x, out + t * n, n);
         }
         free(buf);
