@@ -10,7 +10,8 @@ model calls; ``build_ops(plan)`` decides what runs.
   silu_mul        silu(gate) * up
 
 The torch implementations run on any device and dtype and are the reference;
-the native ones (backends/kernels) compute in float32 on CPU.
+the native ones (backends/kernels, torch.ops.baton) run on CPU with float32 or
+bfloat16 activations, computing in float32 inside each fused step.
 """
 
 from __future__ import annotations
