@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import fetch_model_id, run_load  # noqa: E402
+from serve_load import fetch_model_id, run_load, wait_until_serving  # noqa: E402
 
 RECORDS = {"type": "object", "properties": {"records": {
     "type": "array", "minItems": 200, "items": {
@@ -86,6 +86,8 @@ async def wait_ready(base_url: str, timeout: float = 300.0) -> str:
 
 async def measure(args) -> list[dict]:
     model = await wait_ready(args.base_url)
+    # A server listens (and lists its model) before its warm-up ends: 503 until then.
+    await wait_until_serving(args.base_url, model, seed=args.seed)
     # Warm-up: both paths once (kernels built, grammar cached).
     for extra in (None, CONSTRAINED):
         await run_load(args.base_url, model, 1, 1, args.prompt_len, 8, seed=args.seed,
