@@ -6,12 +6,21 @@ kernel reads the blocks in place instead); each prefill
 chunk gets its own call with a causal mask offset by the tokens already in the
 cache. The gather indices and masks are built once per step (by the backend)
 and shared by all layers.
+
+Sliding-window layers read ``meta.sliding``: the same step seen through the
+window (block tables that start at the first block holding a position inside
+the window, masks that hide the positions before it), so their cost follows
+the window, not the context. Soft-capped attention (Gemma 2) cannot go
+through SDPA, which has no hook between the scores and the softmax; it
+computes the scores, caps them and takes the softmax itself, over the same
+gathered blocks and masks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +54,9 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     decode_lens: torch.Tensor | None = None   # [D] int64: each decode's context length
     decode_max_len: int = 0
+    # The step as sliding-window layers see it (masks always present, no
+    # decode_lens: the native decode kernel attends whole contexts).
+    sliding: AttentionMetadata | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
@@ -55,12 +67,37 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
     v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         attn_mask: torch.Tensor, scale: float, softcap: float,
+                         enable_gqa: bool = True) -> torch.Tensor:
+    """SDPA's signature and result, with the scores soft-capped before the
+    softmax: cap * tanh(q.k * scale / cap), in the reference's order.
+    q [B, H, n, D]; k, v [B, KVH, L, D]; attn_mask broadcastable to
+    [B, H, n, L], True where allowed."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    decode_kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+                    decode_kernel: Callable[..., torch.Tensor] | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]. Decodes go to
     ``decode_kernel`` (reading the pool in place) when one is given, else to
-    gather + SDPA; prefill chunks always to SDPA."""
+    gather + SDPA; prefill chunks always to SDPA. With ``softcap`` (no
+    decode kernel then) both go to ``softcapped_attention`` instead."""
+    sdpa = F.scaled_dot_product_attention
+    if softcap is not None:
+        if decode_kernel is not None:
+            raise ValueError("the decode kernel does not soft-cap scores")
+        sdpa = partial(softcapped_attention, softcap=softcap)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     bs = meta.block_size
@@ -78,14 +115,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # [D, NB, bs, kv, hd] -> [D, kv, NB * bs, hd]
         k = k_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
         v = v_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        out[:d] = F.scaled_dot_product_attention(
+        out[:d] = sdpa(
             q[:d].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)
     for seg in meta.prefills:
         qs = q[seg.token_start:seg.token_end].transpose(0, 1).unsqueeze(0)
         k = k_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)
         v = v_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seg.mask, scale=scale,
+        o = sdpa(qs, k, v, attn_mask=seg.mask, scale=scale,
                                            enable_gqa=True)
         out[seg.token_start:seg.token_end] = o.squeeze(0).transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)

@@ -21,12 +21,20 @@ A CPU *kind* names what the hand-written kernels may use: ``portable``
 kind: oneDNN uses it for bfloat16 matmuls when present. A lower kind can be
 forced (``ExecutionOptions.cpu_kind``) to run and test its path on a CPU that
 could do more; a kind the CPU cannot run is refused.
+
+The model's architecture options (backends/config.py) are the third input:
+where a native kernel cannot compute what an architecture asks for
+(sliding-window or soft-capped attention, GeGLU, partial rotary, a mixture of
+experts, the whole-step decode of anything but a plain Llama/Qwen layer), the
+plan gives that step the torch implementation and says so in a note. The
+model never asks what is available.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from backends.config import ModelConfig
 from backends.errors import ModelLoadError
 
 CPU_KINDS = ("portable", "avx2", "avx512", "avx512_bf16")
@@ -153,9 +161,20 @@ class ExecutionPlan:
     rope_kv_store: str               # native | torch
     decode_attention: str            # native | torch-sdpa
     prefill_attention: str = "torch-sdpa"
-    activation: str = "torch"        # silu*up: native | torch
+    activation: str = "torch"        # act(gate)*up: native | torch
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     notes: tuple[str, ...] = field(default=())
+    # What the architecture adds (see ModelConfig); "none" where it has none.
+    mlp_activation: str = "silu"     # silu | gelu_tanh
+    sliding_attention: str = "none"  # sliding-window layers, decode and prefill: torch-sdpa
+    softcap_attention: str = "none"  # soft-capped layers: torch-eager
+    moe: str = "none"                # expert dispatch: torch-grouped
+
+    @property
+    def torch_decode_masks(self) -> bool:
+        """Whether some layer's decode attention reads the gathered-blocks
+        masks (any layer not on the native decode kernel)."""
+        return self.decode_attention != "native" or self.softcap_attention != "none"
 
     @property
     def bf16_weights(self) -> bool:
@@ -173,7 +192,14 @@ class ExecutionPlan:
                  f"linear {self.linear}", f"lm_head {self.lm_head}",
                  f"kernels {kernels}", f"norm {self.norm}", f"rope+kv {self.rope_kv_store}",
                  f"decode attention {self.decode_attention}",
-                 f"prefill attention {self.prefill_attention}", f"silu {self.activation}"]
+                 f"prefill attention {self.prefill_attention}",
+                 f"{self.mlp_activation} {self.activation}"]
+        if self.sliding_attention != "none":
+            parts.append(f"sliding-window attention {self.sliding_attention}")
+        if self.softcap_attention != "none":
+            parts.append(f"soft-capped attention {self.softcap_attention}")
+        if self.moe != "none":
+            parts.append(f"experts {self.moe}")
         if self.whole_step_decode:
             parts.append(f"whole-step decode <= {self.whole_step_decode} rows")
         if self.quantization != "none":
@@ -181,14 +207,73 @@ class ExecutionPlan:
         return "; ".join(parts + list(self.notes))
 
 
+@dataclass(frozen=True, slots=True)
+class _ModelNeeds:
+    """What of an architecture decides implementations (None: a plain
+    Llama / Qwen decoder)."""
+
+    activation: str = "silu"
+    sliding: bool = False
+    softcap: bool = False
+    partial_rotary: bool = False
+    moe: bool = False
+    plain: bool = True   # the whole-step native decode computes this layer
+
+    @classmethod
+    def of(cls, model: ModelConfig | None) -> _ModelNeeds:
+        if model is None:
+            return cls()
+        m = model
+        partial = m.rotary_width != m.head_dim
+        softcap = m.attn_logit_softcap is not None
+        plain = not (m.has_sliding_layers or softcap or partial or m.moe is not None
+                     or m.sandwich_norms or m.hidden_act != "silu"
+                     or m.embedding_scale is not None or m.local_rope_theta is not None
+                     or m.query_pre_attn_scalar is not None)
+        return cls(activation=m.hidden_act, sliding=m.has_sliding_layers, softcap=softcap,
+                   partial_rotary=partial, moe=m.moe is not None, plain=plain)
+
+    def apply(self, plan: ExecutionPlan) -> ExecutionPlan:
+        """``plan`` (made for a plain model) with the steps native kernels
+        cannot do for this architecture moved to torch, and why."""
+        notes = list(plan.notes)
+        changes: dict = dict(mlp_activation=self.activation,
+                             sliding_attention="torch-sdpa" if self.sliding else "none",
+                             softcap_attention="torch-eager" if self.softcap else "none",
+                             moe="torch-grouped" if self.moe else "none")
+        if plan.kernels is not None:
+            if self.activation != "silu":
+                changes["activation"] = "torch"
+                notes.append(f"{self.activation} on torch (the native kernel is silu)")
+            if self.partial_rotary:
+                changes["rope_kv_store"] = "torch"
+                notes.append("rope+kv on torch (the native kernel rotates whole heads)")
+            if self.sliding:
+                notes.append("sliding-window layers on torch-sdpa (the native decode kernel "
+                             "attends whole contexts)")
+            if self.softcap:
+                notes.append("soft-capped layers on torch-eager (no native soft-capping)")
+        if plan.whole_step_decode and not self.plain:
+            changes["whole_step_decode"] = 0
+            notes.append("no whole-step decode (it runs plain Llama/Qwen layers only)")
+        return replace(plan, notes=tuple(notes), **changes)
+
+
 def make_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
               available: Availability, options: ExecutionOptions = ExecutionOptions(),
-              ) -> ExecutionPlan:
+              model: ModelConfig | None = None) -> ExecutionPlan:
     """Decide how to run: pure, so a table of inputs -> plans is testable.
 
     ``dtype`` is resolved already (no "auto"); ``cpu`` is the detected CPU
-    (``options.cpu_kind`` limits it here).
+    (``options.cpu_kind`` limits it here). ``model``: the architecture to run
+    (None plans for a plain Llama / Qwen decoder).
     """
+    return _ModelNeeds.of(model).apply(
+        _plain_plan(device, dtype, quantization, cpu, available, options))
+
+
+def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
+                available: Availability, options: ExecutionOptions) -> ExecutionPlan:
     if dtype not in DTYPE_NAMES:
         raise ExecutionError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
     if not device.startswith("cpu"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from backends.config import LoadedModel
+from backends.config import LoadedModel, ModelConfig
 from backends.execution import (Availability, CpuFeatures, ExecutionOptions, ExecutionPlan,
                                 make_plan)
 from backends.interface import Backend
@@ -60,9 +60,11 @@ def probe_availability(device: str, cpu: CpuFeatures,
                         onednn_dtypes=onednn, reason=reason)
 
 
-def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None) -> ExecutionPlan:
+def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None,
+             model: ModelConfig | None = None) -> ExecutionPlan:
     """The plan ``create_backend`` follows on this machine (``cpu``: the
-    detected CPU unless given)."""
+    detected CPU unless given) for the architecture ``model`` (None: a plain
+    Llama / Qwen decoder)."""
     cpu = cpu or CpuFeatures.detect()
     options = config.execution
     target = cpu
@@ -70,7 +72,7 @@ def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None) -> Execution
         target = cpu.limited_to(options.cpu_kind)  # refuses a kind this CPU lacks
     available = probe_availability(config.device, target, options)
     return make_plan(config.device, config.dtype, config.quantization.mode, cpu, available,
-                     options)
+                     options, model)
 
 
 def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) -> Backend:
@@ -78,7 +80,11 @@ def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) ->
     for CPU and CUDA today; a registry once there are others). ``parallel``:
     this process's TensorParallelGroup (backends/parallel) when the model is
     sharded; ``loaded`` then holds this rank's shard."""
-    plan = plan_for(config)
+    model = loaded.config
+    options = model.options()
+    log.info("architecture %s%s", model.architecture,
+             f": {', '.join(options)}" if options else " (no options)")
+    plan = plan_for(config, model=model)
     log.info("execution plan: %s", plan.describe())
     from backends.torch_backend import TorchBackend
     return TorchBackend(loaded, plan, block_size=config.block_size,

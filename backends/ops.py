@@ -8,10 +8,15 @@ model calls; ``build_ops(plan)`` decides what runs.
                   embedding, K and V written into their cache slots; returns q
   attention       paged attention of q over the cache (decodes, prefills)
   silu_mul        silu(gate) * up
+  gelu_tanh_mul   gelu(gate, tanh approximation) * up (GeGLU: Gemma)
+  sliding_attention, softcap_attention
+                  attention of sliding-window layers (reading meta.sliding)
+                  and of soft-capped ones (Gemma 2)
 
 The torch implementations run on any device and dtype and are the reference;
 the native ones (backends/kernels, torch.ops.baton) run on CPU with float32 or
-bfloat16 activations, computing in float32 inside each fused step.
+bfloat16 activations, computing in float32 inside each fused step. ``build_ops``
+takes each step's implementation from the execution plan, step by step.
 """
 
 from __future__ import annotations
@@ -43,6 +48,29 @@ class ModelOps:
     attention: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
     name: str = "torch"
+    gelu_tanh_mul: Callable[..., torch.Tensor] | None = None
+    sliding_attention: Callable[..., torch.Tensor] | None = None
+    softcap_attention: Callable[..., torch.Tensor] | None = None
+
+    def layer_attention(self, window: int | None,
+                        softcap: float | None) -> Callable[..., torch.Tensor]:
+        """The attention of a layer with this sliding ``window`` and score
+        ``softcap`` (None: none), called as attention(q, k_cache, v_cache,
+        meta, scale); a windowed one reads ``meta.sliding``."""
+        if softcap is not None:
+            attend = partial(self.softcap_attention, softcap=softcap)
+        elif window is not None:
+            attend = self.sliding_attention
+        else:
+            return self.attention
+        if window is None:
+            return attend
+        return lambda q, k_cache, v_cache, meta, scale: attend(q, k_cache, v_cache,
+                                                               meta.sliding, scale)
+
+    def activation(self, name: str) -> Callable[..., torch.Tensor]:
+        """act(gate) * up for ModelConfig.hidden_act ``name``."""
+        return self.silu_mul if name == "silu" else self.gelu_tanh_mul
 
 
 # ------------------------------------------------------------------ torch
@@ -84,7 +112,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-TORCH_OPS = ModelOps(add_rms_norm, qkv_rope_store, paged_attention, silu_mul, "torch")
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+TORCH_OPS = ModelOps(add_rms_norm, qkv_rope_store, paged_attention, silu_mul, "torch",
+                     gelu_tanh_mul, paged_attention, paged_attention)
+
+
+def build_ops(plan) -> ModelOps:
+    """Each step's implementation as the ExecutionPlan names it (torch where
+    it says torch, the native kernels of ``plan.kernels`` where it says
+    native)."""
+    if plan.kernels is None:
+        return TORCH_OPS
+    native = native_cpu_ops(plan.kernels)
+    pick = lambda choice, fast, slow: fast if choice == "native" else slow  # noqa: E731
+    return ModelOps(
+        add_rms_norm=pick(plan.norm, native.add_rms_norm, add_rms_norm),
+        qkv_rope_store=pick(plan.rope_kv_store, native.qkv_rope_store, qkv_rope_store),
+        attention=pick(plan.decode_attention, native.attention, paged_attention),
+        silu_mul=pick(plan.activation, native.silu_mul, silu_mul),
+        name=native.name, gelu_tanh_mul=gelu_tanh_mul,
+        sliding_attention=paged_attention, softcap_attention=paged_attention)
 
 
 # ----------------------------------------------------------------- native
@@ -115,4 +166,4 @@ def native_cpu_ops(kind: str) -> ModelOps:
         return baton.silu_mul(gate_up, k)
 
     return ModelOps(norm, rope_store, partial(paged_attention, decode_kernel=decode), silu,
-                    f"native-{kind}")
+                    f"native-{kind}", gelu_tanh_mul, paged_attention, paged_attention)

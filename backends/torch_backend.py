@@ -31,10 +31,10 @@ from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutpu
 from backends.execution import ExecutionPlan
 from backends.linear import swap_linears
 from backends.models.decoder import DecoderLM
-from backends.ops import TORCH_OPS, native_cpu_ops
+from backends.ops import build_ops
 from backends.parallel.group import ForwardRow, TensorParallelGroup
 from backends.quantization.spec import QuantizationSpec, projection_formats
-from backends.rope import rope_table
+from backends.rope import local_rope_table, rope_table
 from backends.sampler import PenaltyInputs, SamplingBatch, sample
 
 log = logging.getLogger("baton.backend")
@@ -102,9 +102,11 @@ class TorchBackend:
 
         positions = max_positions or self.config.max_position_embeddings
         cos_table, sin_table = rope_table(self.config, positions, act, self.device)
-        self.ops = native_cpu_ops(plan.kernels) if plan.kernels else TORCH_OPS
+        local_tables = local_rope_table(self.config, positions, act, self.device)
+        self.ops = build_ops(plan)
         with torch.device("meta"):
-            self.model = DecoderLM(self.model_config, self.ops, cos_table, sin_table)
+            self.model = DecoderLM(self.model_config, self.ops, cos_table, sin_table,
+                                   local_tables)
         if self.quantization.enabled:
             from backends.quantization import load_quantized, resolve_group_size
             # The group size is chosen here, where the file's formats are
@@ -282,7 +284,7 @@ class TorchBackend:
         whole = self._whole_step
         if (whole is not None and not meta.prefills
                 and meta.num_decode == input_ids.shape[0] <= whole.max_rows):
-            hidden = whole(self.model.embed_tokens(input_ids), positions, meta.slot_mapping,
+            hidden = whole(self.model.embed(input_ids), positions, meta.slot_mapping,
                            meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -416,23 +418,42 @@ class TorchBackend:
                 logits_index.append(start + n - 1)
 
         dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev), block_size=bs,
+            slot_mapping=slot_mapping, block_size=bs,
             num_decode=len(decode_rows), decode_blocks=None, decode_mask=None,
             prefills=[self._prefill_segment(start, row) for start, row in prefill_rows])
         if decode_rows:
             self._decode_gather(decode_rows, meta)
+        window = self.config.sliding_window
+        if self.config.has_sliding_layers:
+            meta.sliding = AttentionMetadata(
+                slot_mapping=slot_mapping, block_size=bs, num_decode=len(decode_rows),
+                decode_blocks=None, decode_mask=None,
+                prefills=[self._prefill_segment(start, row, window)
+                          for start, row in prefill_rows])
+            if decode_rows:
+                self._decode_window(decode_rows, meta.sliding, window)
         return (torch.tensor(input_ids, dtype=torch.long).to(dev),
                 torch.tensor(positions, dtype=torch.long).to(dev), meta, sample_rows,
                 torch.tensor(logits_index, dtype=torch.long).to(dev))
 
-    def _prefill_segment(self, start: int, row: ScheduledRequest) -> PrefillSegment:
+    def _prefill_segment(self, start: int, row: ScheduledRequest,
+                         window: int | None = None) -> PrefillSegment:
+        """The chunk's blocks and causal mask; with a sliding ``window``,
+        only the blocks that hold a position some query of the chunk sees,
+        and a mask that also hides positions before each query's window."""
+        bs = self.block_size
         n = len(row.token_ids)
         ctx = row.start_pos + n
-        num_blocks = -(-ctx // self.block_size)
+        num_blocks = -(-ctx // bs)
+        first = 0 if window is None else max(0, row.start_pos - window + 1) // bs
         q_pos = torch.arange(row.start_pos, ctx).unsqueeze(1)
-        mask = torch.arange(num_blocks * self.block_size).unsqueeze(0) <= q_pos
-        blocks = torch.tensor(row.block_table[:num_blocks], dtype=torch.long)
+        kv_pos = torch.arange(first * bs, num_blocks * bs).unsqueeze(0)
+        mask = kv_pos <= q_pos
+        if window is not None:
+            mask &= kv_pos > q_pos - window
+        blocks = torch.tensor(row.block_table[first:num_blocks], dtype=torch.long)
         return PrefillSegment(start, start + n, blocks.to(self.device), mask.to(self.device))
 
     def _decode_gather(self, rows: list[ScheduledRequest], meta: AttentionMetadata) -> None:
@@ -448,11 +469,32 @@ class TorchBackend:
         lens = torch.tensor(lengths, dtype=torch.long)
         meta.decode_lens = lens.to(self.device)
         meta.decode_max_len = max_len
-        if self.plan.decode_attention != "torch-sdpa":
+        if not self.plan.torch_decode_masks:
             return
         pos = torch.arange(max_blocks * bs)
         meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(
             len(rows), 1, 1, max_blocks * bs).to(self.device)
+
+    def _decode_window(self, rows: list[ScheduledRequest], meta: AttentionMetadata,
+                       window: int) -> None:
+        """Decode block tables and masks as sliding-window layers see them:
+        each row's table starts at the block of its window's first position
+        (so the gather reads at most window + block_size - 1 slots per row)
+        and its mask hides what lies before the window."""
+        bs = self.block_size
+        lengths = [r.start_pos + 1 for r in rows]
+        firsts = [max(0, n - window) // bs for n in lengths]
+        counts = [-(-n // bs) - f for n, f in zip(lengths, firsts)]
+        width = max(counts)
+        # Padding entries point at block 0; the mask hides them.
+        tables = [r.block_table[f:f + c] + [0] * (width - c)
+                  for r, f, c in zip(rows, firsts, counts)]
+        meta.decode_blocks = torch.tensor(tables, dtype=torch.long).to(self.device)
+        kv_pos = (torch.tensor(firsts).unsqueeze(1) * bs
+                  + torch.arange(width * bs).unsqueeze(0))
+        lens = torch.tensor(lengths).unsqueeze(1)
+        mask = (kv_pos < lens) & (kv_pos >= lens - window)
+        meta.decode_mask = mask.view(len(rows), 1, 1, width * bs).to(self.device)
 
     # -------------------------------------------------------------- sampling
     def _sampling_batch(self, rows: list[ScheduledRequest]) -> SamplingBatch:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -111,16 +112,18 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def _randomize(model: torch.nn.Module, seed: int, norm_center: float = 1.0) -> None:
     # transformers' own init (std 0.02, unit norms, zero biases) gives nearly
     # tied logits and lets a loader that drops norms or biases go unnoticed.
     # Std 0.2 everywhere keeps greedy decoding varied (no one-token loops, even
     # with tied embeddings) and top-1 margins wide enough that bf16 mostly agrees.
+    # Gemma stores norm weights as w - 1 (norm_center 0).
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.2 * noise)
+            param.copy_(norm_center + 0.2 * noise if name.endswith("norm.weight")
+                        else 0.2 * noise)
 
 
 def build_tiny_model(out: Path, tokenizer_dir: Path, arch: str, *, seed: int,
@@ -133,12 +136,17 @@ def build_tiny_model(out: Path, tokenizer_dir: Path, arch: str, *, seed: int,
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
     config = config_cls(**{**_DIMS, "vocab_size": TOKENIZER_VOCAB_SIZE,
                            "tie_word_embeddings": tie, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    _randomize(model, seed)
+    _randomize(model, seed, norm_center=0.0 if arch.startswith("gemma") else 1.0)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
     # save_pretrained derives generation_config.json from the model config;
@@ -220,3 +228,63 @@ def tiny_model_dir(request: pytest.FixtureRequest) -> tuple[str, Path]:
     """(architecture, folder) for each tiny model in turn."""
     arch: str = request.param
     return arch, request.getfixturevalue(f"tiny_{arch}_dir")
+
+
+# The families added to the first three, each with what sets it apart and a
+# sliding window of a few tokens where it has one, so prompts of 17-90 tokens
+# cross it in prefill, chunked prefill and decode alike. Three layers each.
+NEW_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "mistral": dict(seed=5, tie=False, sliding_window=6),
+    # Phi-4-mini's shape: partial rotary (12 of 16 dims), longrope (original
+    # context 112: the prompts and their decodes stay inside it, where Baton
+    # and transformers rotate alike; see backends/rope.py), fused qkv / gate_up
+    # tensors in the checkpoint, tied embeddings; and Phi-3-mini's sliding
+    # window.
+    "phi3": dict(seed=6, tie=True, sliding_window=10, partial_rotary_factor=0.75,
+                 original_max_position_embeddings=112,
+                 rope_scaling={"type": "longrope",
+                               "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                               "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 12.0]}),
+    # Soft-capping low enough to bite on these random weights. Gemma ties its
+    # embeddings, but tied random ones (scaled by sqrt(hidden)) make every
+    # prompt repeat its last token: the fixtures are untied.
+    "gemma2": dict(seed=7, tie=False, sliding_window=6, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=3.0, final_logit_softcapping=3.0),
+    # Local layers on base 1e4, the global one on 1e6 with linear scaling.
+    "gemma3": dict(seed=8, tie=False, sliding_window=5, query_pre_attn_scalar=32,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   rope_parameters={
+                       "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                          "rope_theta": 1_000_000.0},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    # Four experts, two per token, renormalised; the middle layer dense.
+    "qwen3_moe": dict(seed=9, tie=False, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+}
+
+
+@pytest.fixture(scope="session")
+def new_arch_dirs(tmp_path_factory: pytest.TempPathFactory,
+                  tiny_tokenizer_dir: Path) -> Callable[[str], Path]:
+    """arch -> the folder of NEW_ARCHITECTURES[arch] (3 layers, dims as
+    llama: GQA 4/2, head_dim 16, vocab 512), built on first use."""
+    built: dict[str, Path] = {}
+
+    def folder(arch: str) -> Path:
+        if arch not in built:
+            _quiet_transformers()
+            options = dict(NEW_ARCHITECTURES[arch])
+            built[arch] = build_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-{arch}"), tiny_tokenizer_dir, arch,
+                seed=options.pop("seed"), tie=options.pop("tie"), num_hidden_layers=3,
+                generation={"eos_token_id": IM_END_ID}, **options)
+        return built[arch]
+
+    return folder
+
+
+@pytest.fixture(scope="session", params=list(NEW_ARCHITECTURES))
+def tiny_new_arch_dir(request: pytest.FixtureRequest,
+                      new_arch_dirs: Callable[[str], Path]) -> tuple[str, Path]:
+    """(architecture, folder) for each family of NEW_ARCHITECTURES in turn."""
+    return request.param, new_arch_dirs(request.param)

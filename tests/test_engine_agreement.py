@@ -72,9 +72,14 @@ def test_greedy_matches_transformers(tiny_model_dir, scenario, fast_paths):
     results = run_all(core, prompts, GREEDY)
     if scenario == "preemption":
         assert core.scheduler.num_preemptions_total > 0, "the tiny pool forced no preemption"
+    assert_matches_reference(results, ref, f"{arch}/{scenario}")
+
+
+def assert_matches_reference(results, ref, label: str) -> None:
+    """Greedy tokens equal, chosen and top-N logprobs within 1e-4."""
     for rid, (tokens, logprobs) in ref.items():
         got = results[rid]
-        assert got.token_ids == tokens, f"{arch}/{scenario}/{rid}"
+        assert got.token_ids == tokens, f"{label}/{rid}"
         assert got.finish_reason == "length"
         for step, (lp, ref_lp) in enumerate(zip(got.logprobs, logprobs)):
             assert lp.token_id == tokens[step]

@@ -116,3 +116,53 @@ def test_detected_features_match_the_cpu_flags():
     assert cpu.avx512 == ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
     assert cpu.avx512_bf16 == (cpu.avx512 and "avx512_bf16" in flags)
     assert cpu.amx_bf16 == ({"amx_bf16", "amx_tile"} <= flags)
+
+
+# ------------------------------------------------- architecture options
+
+def _model(**options):
+    from backends.config import ModelConfig
+    return ModelConfig(architecture="test", vocab_size=512, hidden_size=64,
+                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, **options)
+
+
+def test_a_plain_model_gets_the_plain_plan():
+    for cpu, dtype in ((AVX2, "bfloat16"), (AMX, "float32")):
+        assert (make_plan("cpu", dtype, "none", cpu, ALL, model=_model(qk_norm=True))
+                == make_plan("cpu", dtype, "none", cpu, ALL))
+
+
+def test_what_native_kernels_cannot_do_goes_to_torch():
+    """Gemma 2's options on the AVX2 bf16 plan (native everything, whole-step
+    decode): the numerics stay, each step the kernels lack moves to torch,
+    and the plan says why."""
+    from backends.config import FULL_ATTENTION, SLIDING_ATTENTION
+    plain = make_plan("cpu", "bfloat16", "none", AVX2, F32_ONEDNN)
+    gemma = make_plan("cpu", "bfloat16", "none", AVX2, F32_ONEDNN, model=_model(
+        layer_types=(SLIDING_ATTENTION, FULL_ATTENTION), sliding_window=8,
+        attn_logit_softcap=50.0, hidden_act="gelu_tanh", sandwich_norms=True))
+    assert plain.whole_step_decode == 4 and gemma.whole_step_decode == 0
+    assert (gemma.activation_dtype, gemma.weight_dtype, gemma.kv_dtype, gemma.linear) == (
+        plain.activation_dtype, plain.weight_dtype, plain.kv_dtype, plain.linear)
+    assert (gemma.norm, gemma.rope_kv_store, gemma.decode_attention) == ("native",) * 3
+    assert (gemma.activation, gemma.mlp_activation) == ("torch", "gelu_tanh")
+    assert (gemma.sliding_attention, gemma.softcap_attention) == ("torch-sdpa", "torch-eager")
+    assert gemma.torch_decode_masks and not plain.torch_decode_masks
+    line = gemma.describe()
+    for words in ("gelu_tanh torch", "sliding-window attention torch-sdpa",
+                  "soft-capped attention torch-eager", "no whole-step decode"):
+        assert words in line
+
+
+def test_partial_rotary_and_experts():
+    phi = make_plan("cpu", "float32", "none", AMX, ALL, model=_model(rotary_dim=12))
+    assert (phi.rope_kv_store, phi.norm, phi.activation) == ("torch", "native", "native")
+    from backends.config import MoEConfig
+    moe_model = _model(moe=MoEConfig(
+        num_experts=4, experts_per_token=2, intermediate_size=32))
+    moe = make_plan("cuda", "bfloat16", "none", AMX, ALL, model=moe_model)
+    assert moe.moe == "torch-grouped" and "experts torch-grouped" in moe.describe()
+    # Without native kernels nothing needs moving, and nothing is noted.
+    torch_only = make_plan("cpu", "float32", "none", AMX, ALL, OFF, model=_model(rotary_dim=12))
+    assert torch_only.rope_kv_store == "torch" and not torch_only.notes

@@ -309,7 +309,7 @@ def test_unsupported_architecture(tiny_llama_dir: Path, tmp_path: Path) -> None:
         load_hf_folder(folder)
     assert info.value.architecture == "gpt2"
     assert info.value.supported == SUPPORTED_ARCHITECTURES
-    assert "'gpt2'" in str(info.value) and "llama, mistral, qwen2, qwen3" in str(info.value)
+    assert "'gpt2'" in str(info.value) and "llama, mistral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3" in str(info.value)
 
 
 def test_unsupported_rope_type(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -320,17 +320,18 @@ def test_unsupported_rope_type(tiny_llama_dir: Path, tmp_path: Path) -> None:
         load_hf_folder(folder)
 
 
-@pytest.mark.parametrize("window, loads", [(None, True), (512, True), (128, False)])
+@pytest.mark.parametrize("window, windowed", [(None, False), (512, False), (128, True)])
 def test_mistral_sliding_window(tiny_llama_dir: Path, tmp_path: Path,
-                                window: int | None, loads: bool) -> None:
+                                window: int | None, windowed: bool) -> None:
+    """A window narrower than the context covers every layer; one as wide
+    (or none) leaves full attention."""
     folder = _copy(tiny_llama_dir, tmp_path)
     _edit_json(folder / "config.json", lambda c: c.update(
         architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window))
-    if loads:
-        assert load_hf_folder(folder).config.architecture == "mistral"
-    else:
-        with pytest.raises(ModelLoadError, match="sliding window attention is not supported"):
-            load_hf_folder(folder)
+    cfg = load_hf_folder(folder).config
+    assert cfg.architecture == "mistral"
+    assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == (
+        [128] * cfg.num_layers if windowed else [None] * cfg.num_layers)
 
 
 def test_truncated_safetensors(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from backends.config import LoadedModel
+from backends.errors import ModelLoadError
 
 _HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"),
                "mistral": ("MistralForCausalLM", "mistral"),
@@ -23,6 +24,10 @@ _HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"),
 
 def hf_config(loaded: LoadedModel, dtype: torch.dtype) -> dict:
     c = loaded.config
+    if c.architecture not in _HF_CLASSES:
+        # The families GGUF files bring; the others are Hugging Face folders already.
+        raise ModelLoadError(f"baton export writes {', '.join(_HF_CLASSES)} models, "
+                             f"not {c.architecture}")
     arch, model_type = _HF_CLASSES[c.architecture]
     rope: dict = {"rope_type": c.rope_scaling.rope_type}
     if c.rope_scaling.rope_type != "default":
@@ -49,7 +54,7 @@ def hf_config(loaded: LoadedModel, dtype: torch.dtype) -> dict:
     if c.architecture == "qwen3":
         config["attention_bias"] = False
     if c.architecture == "mistral":
-        config["sliding_window"] = None
+        config["sliding_window"] = c.sliding_window
     return config
 
 

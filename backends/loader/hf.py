@@ -11,6 +11,7 @@ library's traceback.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,13 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from backends.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
     SUPPORTED_ARCHITECTURES,
     GenerationDefaults,
     LoadedModel,
     ModelConfig,
+    MoEConfig,
     RopeScaling,
     TokenizerSpec,
 )
@@ -37,8 +41,23 @@ _ARCH_BY_CLASS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
-_ROPE_TYPES = ("default", "linear", "llama3")
+# model_type values that name a family differently from Baton.
+_ARCH_BY_MODEL_TYPE = {"gemma3_text": "gemma3"}
+_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_GEMMA = ("gemma2", "gemma3")
+# Families whose sliding window covers every layer (when set), and those
+# whose layer_types say which layers it covers.
+_WINDOW_ON_ALL_LAYERS = ("mistral", "phi3", "qwen3_moe")
+_WINDOW_BY_LAYER_TYPE = ("gemma2", "gemma3", "qwen2", "qwen3")
+# The configuration classes' defaults where config.json may leave a field out.
+_TIED_BY_DEFAULT = _GEMMA
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_tanh": "gelu_tanh"}
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
 _MAX_LISTED = 10
@@ -85,8 +104,8 @@ def _parse_config(raw: dict[str, Any], name: str) -> ModelConfig:
     arch = _architecture(raw)
     hidden_size = _require_int(raw, "hidden_size")
     num_heads = _require_int(raw, "num_attention_heads")
+    num_layers = _require_int(raw, "num_hidden_layers")
     max_positions = _require_int(raw, "max_position_embeddings")
-    _reject_sliding_window(raw, arch, max_positions)
     head_dim = _optional_int(raw, "head_dim", None)
     if head_dim is None:
         if hidden_size % num_heads:
@@ -94,13 +113,16 @@ def _parse_config(raw: dict[str, Any], name: str) -> ModelConfig:
                 f"config.json: hidden_size {hidden_size} is not divisible by "
                 f"num_attention_heads {num_heads} and no head_dim is given")
         head_dim = hidden_size // num_heads
-    rope_theta, rope_scaling = _rope(raw)
+    rope = _rope_parameters(raw, arch)
+    rope_theta, rope_scaling, rotary_dim = _rope(rope, raw, head_dim, max_positions)
+    layer_types, window = _attention_layout(raw, arch, num_layers, max_positions)
+    gemma = arch in _GEMMA
     return ModelConfig(
         architecture=arch,
         vocab_size=_require_int(raw, "vocab_size"),
         hidden_size=hidden_size,
         intermediate_size=_require_int(raw, "intermediate_size"),
-        num_layers=_require_int(raw, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=_optional_int(raw, "num_key_value_heads", num_heads),
         head_dim=head_dim,
@@ -108,16 +130,33 @@ def _parse_config(raw: dict[str, Any], name: str) -> ModelConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT)),
         # Qwen2's q/k/v biases are hard-wired in its modelling code, not a config flag.
         attention_bias=True if arch == "qwen2" else bool(raw.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
         name=name,
+        layer_types=layer_types,
+        sliding_window=window,
+        # Gemma 3's reference ignores attn_logit_softcapping (its configs set
+        # it to null); Baton follows the reference.
+        attn_logit_softcap=_config_float(raw, "attn_logit_softcapping")
+        if arch == "gemma2" else None,
+        final_logit_softcap=_config_float(raw, "final_logit_softcapping") if gemma else None,
+        query_pre_attn_scalar=_config_float(raw, "query_pre_attn_scalar") if gemma else None,
+        embedding_scale=hidden_size ** 0.5 if gemma else None,
+        norm_weight_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        hidden_act=_activation(raw, arch),
+        rotary_dim=rotary_dim,
+        local_rope_theta=_local_rope_theta(raw, arch),
+        packed_projections=arch == "phi3",
+        moe=_moe(raw, num_layers) if arch == "qwen3_moe" else None,
     )
 
 
 def _architecture(raw: dict[str, Any]) -> str:
     model_type = raw.get("model_type")
+    model_type = _ARCH_BY_MODEL_TYPE.get(model_type, model_type)
     classes = raw.get("architectures") or []
     if classes and classes[0] in _ARCH_BY_CLASS:
         return _ARCH_BY_CLASS[classes[0]]
@@ -131,38 +170,131 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise UnsupportedArchitectureError(str(unknown), SUPPORTED_ARCHITECTURES)
 
 
-def _reject_sliding_window(raw: dict[str, Any], arch: str, max_positions: int) -> None:
-    # Baton's attention is full causal attention; a window narrower than the
-    # context would silently change what every token attends to.
+def _attention_layout(raw: dict[str, Any], arch: str, num_layers: int,
+                      max_positions: int) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's attention kind and the sliding window, as the family's
+    reference reads its config. A window as wide as the context is none."""
     window = raw.get("sliding_window")
-    in_use = arch == "mistral" or bool(raw.get("use_sliding_window", False))
-    if in_use and window is not None and int(window) < max_positions:
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
+        window = None
+    if arch == "llama" or window is None:
+        return (), None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ModelLoadError(
-            f"config.json: sliding window attention is not supported (sliding_window "
-            f"{window} < max_position_embeddings {max_positions})")
-    layer_types = raw.get("layer_types") or []
-    odd = sorted({str(t) for t in layer_types if t != "full_attention"})
+            f"config.json: 'sliding_window' must be a positive integer, got {window!r}")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError("config.json: use_bidirectional_attention (an embedding model) "
+                             "is not supported; Baton runs causal language models")
+    if window >= max_positions:
+        return (), None
+    if arch in _WINDOW_ON_ALL_LAYERS:
+        return (SLIDING_ATTENTION,) * num_layers, window
+    types = raw.get("layer_types")
+    if types is None:
+        types = [_default_layer_type(raw, arch, i) for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelLoadError(f"config.json: 'layer_types' must list the kind of each of the "
+                             f"{num_layers} layers, got {types!r}")
+    odd = sorted({str(t) for t in types} - {FULL_ATTENTION, SLIDING_ATTENTION})
     if odd:
-        raise ModelLoadError(
-            f"config.json: layer_types {odd} are not supported; Baton runs full attention only")
+        raise ModelLoadError(f"config.json: layer_types {odd} are not supported; Baton runs "
+                             f"{FULL_ATTENTION} and {SLIDING_ATTENTION} layers")
+    if SLIDING_ATTENTION not in types:
+        return (), None
+    return tuple(types), window
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
-    # transformers 5 writes {"rope_theta", "rope_type", ...} under rope_parameters;
-    # older configs have rope_theta at top level and rope_scaling (possibly null).
+def _default_layer_type(raw: dict[str, Any], arch: str, i: int) -> str:
+    """The configuration classes' defaults when config.json lists no layer_types."""
+    if arch == "gemma2":
+        sliding = (i + 1) % 2 != 0
+    elif arch == "gemma3":
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
+        sliding = (i + 1) % int(pattern) != 0
+    else:  # qwen2 / qwen3
+        sliding = i >= int(raw.get("max_window_layers", 0))
+    return SLIDING_ATTENTION if sliding else FULL_ATTENTION
+
+
+def _activation(raw: dict[str, Any], arch: str) -> str:
+    key = "hidden_activation" if arch in _GEMMA else "hidden_act"
+    default = "gelu_pytorch_tanh" if arch in _GEMMA else "silu"
+    name = raw.get(key) or default
+    if name not in _ACTIVATIONS:
+        raise ModelLoadError(f"config.json: {key} {name!r} is not supported; Baton runs "
+                             f"{', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[name]
+
+
+def _moe(raw: dict[str, Any], num_layers: int) -> MoEConfig:
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if not isinstance(experts, int) or experts <= 0:
+        raise ModelLoadError(f"config.json: 'num_experts' must be a positive integer, "
+                             f"got {experts!r}")
+    step = _optional_int(raw, "decoder_sparse_step", 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    # The reference's rule: layers off the sparse step are dense too.
+    dense |= {i for i in range(num_layers) if (i + 1) % step}
+    return MoEConfig(num_experts=experts,
+                     experts_per_token=_require_int(raw, "num_experts_per_tok"),
+                     intermediate_size=_require_int(raw, "moe_intermediate_size"),
+                     normalize_weights=bool(raw.get("norm_topk_prob", False)),
+                     dense_layers=tuple(sorted(dense)))
+
+
+def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The rotary settings of full-attention layers, as one flat dict
+    (rope_theta, rope_type and the scaling fields)."""
+    # transformers 5 writes {"rope_theta", "rope_type", ...} under rope_parameters
+    # (Gemma 3: one such dict per layer type); older configs have rope_theta at
+    # top level and rope_scaling (possibly null).
     params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(FULL_ATTENTION), dict):
+        params = params[FULL_ATTENTION]
     if not isinstance(params, dict):
         params = dict(raw.get("rope_scaling") or {})
         if "rope_theta" in raw:
             params.setdefault("rope_theta", raw["rope_theta"])
+        elif arch == "gemma3":
+            params.setdefault("rope_theta", 1_000_000.0)  # Gemma3TextConfig's default
+    params = dict(params)
+    for key in ("original_max_position_embeddings", "partial_rotary_factor"):
+        if key in raw:  # Phi-3 keeps these at top level
+            params.setdefault(key, raw[key])
+    return params
+
+
+def _local_rope_theta(raw: dict[str, Any], arch: str) -> float | None:
+    """Gemma 3's sliding-window layers' own rotary base (no scaling)."""
+    if arch != "gemma3":
+        return None
+    params = raw.get("rope_parameters")
+    local = params.get(SLIDING_ATTENTION) if isinstance(params, dict) else None
+    if isinstance(local, dict):
+        kind = local.get("rope_type") or local.get("type") or "default"
+        if kind != "default":
+            raise ModelLoadError(f"config.json: rope scaling {kind!r} on sliding-window "
+                                 f"layers is not supported")
+        return float(local.get("rope_theta", 10_000.0))
+    return float(raw.get("rope_local_base_freq", 10_000.0))
+
+
+def _rope(params: dict[str, Any], raw: dict[str, Any], head_dim: int,
+          max_positions: int) -> tuple[float, RopeScaling, int | None]:
+    """(theta, scaling, rotary_dim: None when the whole head rotates)."""
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial) if partial != 1.0 else None
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's early name
     if rope_type not in _ROPE_TYPES:
         raise ModelLoadError(
             f"config.json: rope scaling type {rope_type!r} is not supported; "
             f"Baton supports {', '.join(_ROPE_TYPES)}")
     if rope_type == "default":
-        return theta, RopeScaling()
+        return theta, RopeScaling(), rotary_dim
+    if rope_type == "longrope":
+        return theta, _longrope(params, max_positions), rotary_dim
     defaults = RopeScaling()
     return theta, RopeScaling(
         rope_type=rope_type,
@@ -171,7 +303,40 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
         high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
         original_max_position_embeddings=int(params.get(
             "original_max_position_embeddings", defaults.original_max_position_embeddings)),
-    )
+    ), rotary_dim
+
+
+def _longrope(params: dict[str, Any], max_positions: int) -> RopeScaling:
+    original = params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original <= 0:
+        raise ModelLoadError("config.json: longrope scaling needs "
+                             "original_max_position_embeddings")
+    try:
+        short = tuple(float(f) for f in params["short_factor"])
+        long = tuple(float(f) for f in params["long_factor"])
+    except (KeyError, TypeError, ValueError):
+        raise ModelLoadError("config.json: longrope scaling needs short_factor and "
+                             "long_factor lists") from None
+    # The reference's defaults: the factor is the context's growth, and the
+    # attention factor sqrt(1 + ln(factor) / ln(original context)).
+    factor = params.get("factor") or max_positions / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(
+            1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=float(factor),
+                       original_max_position_embeddings=original, short_factor=short,
+                       long_factor=long, attention_factor=float(attention))
+
+
+def _config_float(raw: dict[str, Any], key: str) -> float | None:
+    """A positive number field of config.json, or None when absent or null."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ModelLoadError(f"config.json: {key!r} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _require_int(raw: dict[str, Any], key: str) -> int:

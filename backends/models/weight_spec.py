@@ -15,11 +15,23 @@ rows is column-parallel, one split along its input columns row-parallel
 (its output is all-reduced). A new architecture option (extra norms,
 biases) adds entries here and the module attributes they name; nothing else
 needs to learn the names.
+
+Roles: ``qkv_proj`` and ``gate_up_proj`` are column-parallel (split by output
+rows: q/k/v heads, gate and up halves alike), ``o_proj`` and ``down_proj``
+row-parallel. A mixture-of-experts layer holds one such pair per expert
+(``layers.N.experts.E.gate_up_proj`` / ``.down_proj``, the same roles, so
+quantization treats every expert like a dense MLP) and a ``router`` that is
+not a linear module (replicated, never quantized: its logits choose the
+experts). Norm weights (``offset`` added at load: Gemma's 1 + w) and the
+router are replicated. Packed checkpoint tensors (Phi-3's ``qkv_proj`` and
+``gate_up_proj``) and experts carry no Split: tensor parallelism refuses
+those models (backends/parallel/sharding.py) rather than split them wrongly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from backends.config import ModelConfig
 
@@ -50,7 +62,8 @@ class ModelTensor:
     along dim 0; ``source_shapes`` their shapes. ``linear``: the dotted name
     of the linear module it belongs to (weight or bias), else None.
     ``splits``: per source, how tensor parallelism splits it (empty: all
-    replicated).
+    replicated). ``offset``: added to the values once at load (see
+    ``assemble``).
     """
 
     path: str
@@ -58,6 +71,7 @@ class ModelTensor:
     source_shapes: tuple[Shape, ...]
     linear: str | None = None
     splits: tuple[Split | None, ...] = ()
+    offset: float = 0.0
 
     @property
     def row_parallel(self) -> bool:
@@ -79,46 +93,97 @@ class ModelTensor:
 
 
 def _t(path: str, *sources: tuple[str, Shape], linear: bool = False,
-       split: tuple[Split | None, ...] = ()) -> ModelTensor:
+       split: tuple[Split | None, ...] = (), offset: float = 0.0) -> ModelTensor:
     return ModelTensor(path, tuple(n for n, _ in sources), tuple(s for _, s in sources),
-                       path.rpartition(".")[0] if linear else None, split)
+                       path.rpartition(".")[0] if linear else None, split, offset)
+
+
+def assemble(tensor: ModelTensor, parts: list[Any]) -> Any:
+    """The model's value of ``tensor`` from its checkpoint parts (torch
+    tensors, in ``sources`` order): concatenated, offset added."""
+    import torch
+    value = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return value + tensor.offset if tensor.offset else value
 
 
 def weight_spec(config: ModelConfig) -> list[ModelTensor]:
-    """Every tensor of a Llama / Mistral / Qwen2 / Qwen3 decoder for ``config``."""
+    """Every tensor of the decoder ``config`` describes (Llama, Mistral,
+    Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3)."""
     c = config
-    h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    h = c.hidden_size
+
+    def norm(path: str, source: str, width: int = h) -> ModelTensor:
+        return _t(path, (source, (width,)), offset=c.norm_weight_offset)
+
     spec = [_t("embed_tokens.weight", ("model.embed_tokens.weight", (c.vocab_size, h)),
                split=(VOCAB,)),
-            _t("norm", ("model.norm.weight", (h,)))]
+            norm("norm", "model.norm.weight")]
     if not c.tie_word_embeddings:
         spec.append(_t("lm_head.weight", ("lm_head.weight", (c.vocab_size, h)), linear=True,
                        split=(VOCAB,)))
     for i in range(c.num_layers):
         L, P = f"layers.{i}.", f"model.layers.{i}."
         attn, mlp = P + "self_attn.", P + "mlp."
-        spec += [
-            _t(L + "input_norm", (P + "input_layernorm.weight", (h,))),
-            _t(L + "qkv_proj.weight", (attn + "q_proj.weight", (q, h)),
-               (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h)),
-               linear=True, split=(HEADS_OUT, KV_OUT, KV_OUT)),
-        ]
-        if c.attention_bias:
-            spec.append(_t(L + "qkv_proj.bias", (attn + "q_proj.bias", (q,)),
-                           (attn + "k_proj.bias", (kv,)), (attn + "v_proj.bias", (kv,)),
-                           linear=True, split=(HEADS_OUT, KV_OUT, KV_OUT)))
+        spec.append(norm(L + "input_norm", P + "input_layernorm.weight"))
+        spec += _attention(c, L, attn)
         if c.qk_norm:
-            spec += [_t(L + "q_norm", (attn + "q_norm.weight", (c.head_dim,))),
-                     _t(L + "k_norm", (attn + "k_norm.weight", (c.head_dim,)))]
-        spec += [
-            _t(L + "o_proj.weight", (attn + "o_proj.weight", (h, q)), linear=True,
-               split=(HEADS_IN,)),
-            _t(L + "post_attention_norm", (P + "post_attention_layernorm.weight", (h,))),
-            _t(L + "gate_up_proj.weight", (mlp + "gate_proj.weight", (inter, h)),
-               (mlp + "up_proj.weight", (inter, h)), linear=True, split=(MLP_OUT, MLP_OUT)),
+            spec += [norm(L + "q_norm", attn + "q_norm.weight", c.head_dim),
+                     norm(L + "k_norm", attn + "k_norm.weight", c.head_dim)]
+        if c.sandwich_norms:
+            # Gemma: post_attention_layernorm normalises the attention output;
+            # pre_feedforward_layernorm is the norm before the MLP.
+            spec += [norm(L + "attn_output_norm", P + "post_attention_layernorm.weight"),
+                     norm(L + "post_attention_norm", P + "pre_feedforward_layernorm.weight"),
+                     norm(L + "mlp_output_norm", P + "post_feedforward_layernorm.weight")]
+        else:
+            spec.append(norm(L + "post_attention_norm", P + "post_attention_layernorm.weight"))
+        if c.is_moe_layer(i):
+            spec += _experts(c, L, mlp)
+        else:
+            spec += _mlp(c, L, mlp, c.intermediate_size)
+    return spec
+
+
+def _attention(c: ModelConfig, L: str, attn: str) -> list[ModelTensor]:
+    h, q, kv = c.hidden_size, c.q_size, c.kv_size
+    if c.packed_projections:  # Phi-3: one qkv_proj tensor, q rows then k then v
+        spec = [_t(L + "qkv_proj.weight", (attn + "qkv_proj.weight", (q + 2 * kv, h)),
+                   linear=True)]
+    else:
+        spec = [_t(L + "qkv_proj.weight", (attn + "q_proj.weight", (q, h)),
+                   (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h)),
+                   linear=True, split=(HEADS_OUT, KV_OUT, KV_OUT))]
+    if c.attention_bias:
+        spec.append(_t(L + "qkv_proj.bias", (attn + "q_proj.bias", (q,)),
+                       (attn + "k_proj.bias", (kv,)), (attn + "v_proj.bias", (kv,)),
+                       linear=True, split=(HEADS_OUT, KV_OUT, KV_OUT)))
+    spec.append(_t(L + "o_proj.weight", (attn + "o_proj.weight", (h, q)), linear=True,
+                   split=(HEADS_IN,)))
+    return spec
+
+
+def _mlp(c: ModelConfig, L: str, mlp: str, inter: int, dense: bool = True
+         ) -> list[ModelTensor]:
+    """``dense``: the layer's MLP (split by tensor parallelism), not an expert."""
+    h = c.hidden_size
+    if c.packed_projections:  # Phi-3: gate rows then up rows in one tensor
+        gate_up = _t(L + "gate_up_proj.weight", (mlp + "gate_up_proj.weight", (2 * inter, h)),
+                     linear=True)
+    else:
+        gate_up = _t(L + "gate_up_proj.weight", (mlp + "gate_proj.weight", (inter, h)),
+                     (mlp + "up_proj.weight", (inter, h)), linear=True,
+                     split=(MLP_OUT, MLP_OUT) if dense else ())
+    return [gate_up,
             _t(L + "down_proj.weight", (mlp + "down_proj.weight", (h, inter)), linear=True,
-               split=(MLP_IN,)),
-        ]
+               split=(MLP_IN,) if dense and not c.packed_projections else ())]
+
+
+def _experts(c: ModelConfig, L: str, mlp: str) -> list[ModelTensor]:
+    moe = c.moe
+    spec = [_t(L + "router", (mlp + "gate.weight", (moe.num_experts, c.hidden_size)))]
+    for e in range(moe.num_experts):
+        spec += _mlp(c, f"{L}experts.{e}.", f"{mlp}experts.{e}.", moe.intermediate_size,
+                     dense=False)
     return spec
 
 

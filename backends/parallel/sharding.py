@@ -64,6 +64,14 @@ class Partition:
     def of(cls, config: ModelConfig, size: int, rank: int) -> Partition:
         if size < 1 or not 0 <= rank < size:
             raise ShardingError(f"rank {rank} of {size} is not a tensor-parallel rank")
+        if size > 1 and config.packed_projections:
+            raise ShardingError(
+                f"{config.architecture}: tensor parallelism does not split packed q/k/v and "
+                f"gate/up checkpoint tensors (Phi-3) yet; serve it on one rank")
+        if size > 1 and config.moe is not None:
+            raise ShardingError(
+                f"{config.architecture}: tensor parallelism does not split mixture-of-experts "
+                f"layers yet; serve it on one rank")
         groups, heads = config.num_kv_heads, config.num_heads
         per_group = heads // groups
         if groups >= size:

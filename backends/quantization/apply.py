@@ -22,7 +22,7 @@ from torch import nn
 
 from backends.config import ModelConfig
 from backends.errors import ModelLoadError
-from backends.models.weight_spec import layer_linears, weight_spec
+from backends.models.weight_spec import assemble, layer_linears, weight_spec
 from backends.quantization import kernels
 from backends.quantization.ggml import (INT4_TYPES, BlockInt8Linear, GGUFBlocks, q4_to_int4,
                                         q8_0_to_int8)
@@ -70,8 +70,7 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
     state = {}
     for tensor in weight_spec(config):
         if tensor.path not in swapped:
-            parts = [weights[source] for source in tensor.sources]
-            value = parts[0] if len(parts) == 1 else torch.cat(parts)
+            value = assemble(tensor, [weights[source] for source in tensor.sources])
             state[tensor.path] = value.to(device=device, dtype=dtype).contiguous()
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
