@@ -100,10 +100,12 @@ def _t(path: str, *sources: tuple[str, Shape], linear: bool = False,
 
 def assemble(tensor: ModelTensor, parts: list[Any]) -> Any:
     """The model's value of ``tensor`` from its checkpoint parts (torch
-    tensors, in ``sources`` order): concatenated, offset added."""
+    tensors, in ``sources`` order): concatenated, offset added. With an
+    offset the sum is float32, as the reference computes it (1 + w of a
+    bfloat16 w is exact in float32); the caller casts to the serving dtype."""
     import torch
     value = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return value + tensor.offset if tensor.offset else value
+    return value.to(torch.float32) + tensor.offset if tensor.offset else value
 
 
 def weight_spec(config: ModelConfig) -> list[ModelTensor]:
