@@ -34,10 +34,11 @@ class ModelLoadError(BatonError):
 class UnsupportedArchitectureError(ModelLoadError):
     """The model's architecture is not one Baton implements."""
 
-    def __init__(self, architecture: str, supported: tuple[str, ...]) -> None:
+    def __init__(self, architecture: str, supported: tuple[str, ...],
+                 note: str = "") -> None:
         super().__init__(
             f"unsupported model architecture {architecture!r}; "
-            f"Baton supports: {', '.join(supported)}"
+            f"Baton supports: {', '.join(supported)}{note}"
         )
         self.architecture = architecture
         self.supported = supported

@@ -24,7 +24,7 @@ import torch
 from backends.config import SUPPORTED_ARCHITECTURES
 from backends.errors import ModelLoadError, UnsupportedArchitectureError
 from backends.loader.embedded import embedded_model_path
-from backends.loader.gguf import load_gguf
+from backends.loader.gguf import GGUF_ARCHITECTURES, load_gguf
 
 GPT2_SPLIT = regex.compile(
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
@@ -484,15 +484,19 @@ def test_missing_and_non_gguf_files(tmp_path):
         load_gguf(other)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "falcon"])
+@pytest.mark.parametrize("arch", ["gpt2", "falcon", "gemma2"])
 def test_unsupported_architecture(tmp_path, arch):
+    """A GGUF file names the architectures whose GGUF tensors Baton maps;
+    one Baton serves only as a Hugging Face folder (Gemma 2) says so."""
     path = tmp_path / f"{arch}.gguf"
     write_gguf(path, arch, {})
     with pytest.raises(UnsupportedArchitectureError) as info:
         load_gguf(path)
     assert info.value.architecture == arch
-    assert info.value.supported == SUPPORTED_ARCHITECTURES
-    assert repr(arch) in str(info.value) and "llama, mistral, qwen2, qwen3" in str(info.value)
+    assert info.value.supported == GGUF_ARCHITECTURES
+    message = str(info.value)
+    assert repr(arch) in message and "llama, qwen2, qwen3 in GGUF files" in message
+    assert ("from its Hugging Face folder" in message) == (arch in SUPPORTED_ARCHITECTURES)
 
 
 def test_unknown_pre_tokenizer_is_named(tmp_path):

@@ -60,6 +60,18 @@ def _run(core, waves, abort_mid_prefill: bool) -> dict:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_with_prefix_cache_equals_without(tiny_model_dir, scenario):
     arch, path = tiny_model_dir
+    _check_cache_agrees(arch, path, scenario)
+
+
+# Windows of 6 (Gemma 2, soft-capped too) and 5 (Gemma 3's local layers)
+# tokens: cached blocks hold whole windows and more, and a request that
+# resumes from them must attend exactly the window it would have computed.
+@pytest.mark.parametrize("arch, scenario", [("gemma2", "preemption"), ("gemma3", "chunked")])
+def test_prefix_cache_with_sliding_windows_equals_without(new_arch_dirs, arch, scenario):
+    _check_cache_agrees(arch, new_arch_dirs(arch), scenario)
+
+
+def _check_cache_agrees(arch, path, scenario):
     config = SCENARIOS[scenario]
     abort = scenario == "abort_mid_prefill"
     waves = _waves(512, seed=len(arch) + 7)

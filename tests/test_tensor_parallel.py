@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from backends.config import ModelConfig
+from backends.config import ModelConfig, MoEConfig
 from backends.interface import SamplingParams
 from backends.parallel.config import ParallelConfig, ParallelConfigError
 from backends.parallel.sharding import Partition, ShardingError
@@ -68,6 +68,19 @@ def test_partition_replicates_kv_heads_when_fewer_than_ranks_and_pads_vocab():
 def test_partition_refuses_a_split_that_breaks_a_group(heads, kv_heads, size):
     with pytest.raises(ShardingError, match="cannot be split"):
         Partition.of(_config(heads, kv_heads), size, 0)
+
+
+@pytest.mark.parametrize("options, what", [
+    (dict(packed_projections=True), "packed q/k/v"),
+    (dict(moe=MoEConfig(num_experts=4, experts_per_token=2, intermediate_size=32)),
+     "mixture-of-experts")])
+def test_partition_refuses_what_it_cannot_split(options, what):
+    """Phi-3's fused checkpoint tensors and MoE experts are not split (yet):
+    a clear refusal, not a wrong shard; one rank still takes them whole."""
+    config = _config(4, 2, **options)
+    with pytest.raises(ShardingError, match=what):
+        Partition.of(config, 2, 0)
+    assert Partition.of(config, 1, 0).heads == (0, 4)
 
 
 def test_parallel_config_checks_the_layout():
@@ -146,11 +159,15 @@ def _core_over(core: EngineCore, scenario: str) -> EngineCore:
                       generation=core.generation)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+# Gemma 2: sliding-window and soft-capped attention, sandwich norms, the
+# scaled embedding (after the vocabulary-parallel all-reduce) and the final
+# logit soft-cap (on the gathered logits).
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2"])
 def engines(request):
     """(arch, TP=1 core, TP=2 core) over the same tiny model."""
     arch = request.param
-    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    path = (request.getfixturevalue("new_arch_dirs")(arch) if arch == "gemma2"
+            else request.getfixturevalue(f"tiny_{arch}_dir"))
     common = dict(block_size=BLOCK_SIZE, num_kv_blocks=256)
     threads = torch.get_num_threads()  # rank 0 takes its share of the cores
     single = make_engine(path, **common)

@@ -110,7 +110,10 @@ def _model_config(fields: Mapping[str, Any], tensors: Mapping[str, ReaderTensor]
     if arch is None:
         raise ModelLoadError(f"{source}: no general.architecture in the metadata")
     if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitectureError(arch, SUPPORTED_ARCHITECTURES)
+        note = " in GGUF files (Mistral's say llama)"
+        if arch in SUPPORTED_ARCHITECTURES:
+            note += f"; serve {arch} from its Hugging Face folder"
+        raise UnsupportedArchitectureError(arch, GGUF_ARCHITECTURES, note)
 
     def required(key: str) -> Any:
         value = _per_layer_constant(fields, f"{arch}.{key}", source)
