@@ -1,7 +1,7 @@
 """Tensor parallelism over torch.distributed (gloo on CPU): the sharded
 engine gives the unsharded one's greedy tokens, token for token, and its
-logprobs within 1e-4, on every tiny architecture (GQA, biases, q/k norms),
-batched, in chunks and through preemption; the death of a rank is in
+logprobs within 1e-4, on the tiny Llama / Qwen2 / Qwen3 (GQA, biases, q/k
+norms), Gemma 2, Phi-3 and Qwen3-MoE (see NEW below), batched, in chunks and through preemption; the death of a rank is in
 test_tensor_parallel_faults.py.
 
 Each architecture's TP=2 engine (rank 0 here, rank 1 a spawned worker) is
@@ -19,7 +19,8 @@ import torch
 from backends.config import ModelConfig, MoEConfig
 from backends.interface import SamplingParams
 from backends.parallel.config import ParallelConfig, ParallelConfigError
-from backends.parallel.sharding import Partition, ShardingError
+from backends.models.weight_spec import GATE_UP_PACKED, QKV_PACKED
+from backends.parallel.sharding import CheckpointShard, Partition, ShardingError
 from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
 from tests.engine_helpers import make_engine, run_all
@@ -70,17 +71,24 @@ def test_partition_refuses_a_split_that_breaks_a_group(heads, kv_heads, size):
         Partition.of(_config(heads, kv_heads), size, 0)
 
 
-@pytest.mark.parametrize("options, what", [
-    (dict(packed_projections=True), "packed q/k/v"),
-    (dict(moe=MoEConfig(num_experts=4, experts_per_token=2, intermediate_size=32)),
-     "mixture-of-experts")])
-def test_partition_refuses_what_it_cannot_split(options, what):
-    """Phi-3's fused checkpoint tensors and MoE experts are not split (yet):
-    a clear refusal, not a wrong shard; one rank still takes them whole."""
-    config = _config(4, 2, **options)
-    with pytest.raises(ShardingError, match=what):
-        Partition.of(config, 2, 0)
-    assert Partition.of(config, 1, 0).heads == (0, 4)
+def test_partition_splits_packed_tensors_and_experts_part_by_part():
+    """Phi-3's packed q|k|v and gate|up tensors: each rank keeps its rows of
+    every part; a mixture of experts: every expert's rows, like a dense MLP."""
+    moe = MoEConfig(num_experts=4, experts_per_token=2, intermediate_size=30)
+    config = _config(4, 2, inter=96, packed_projections=True)
+    p1 = Partition.of(config, 2, 1)
+    # q rows 32, k and v rows 16 each; rank 1 has heads 2-3 and KV head 1
+    assert p1.ranges(QKV_PACKED) == [(16, 32), (40, 48), (56, 64)]
+    assert p1.ranges(GATE_UP_PACKED) == [(48, 96), (144, 192)]
+    packed = torch.arange(64.0)[:, None].expand(64, 64)  # row i holds i
+    shard = CheckpointShard(config, 2, 1)
+    taken = shard.take("model.layers.0.self_attn.qkv_proj.weight", packed)
+    assert taken[:, 0].tolist() == [*range(16, 32), *range(40, 48), *range(56, 64)]
+    expert = Partition.of(_config(4, 2, moe=moe), 2, 1)
+    assert expert.expert_intermediate == (15, 30)
+    assert expert.local_config(_config(4, 2, moe=moe)).moe.intermediate_size == 15
+    with pytest.raises(ShardingError, match="packed gate/up tensors of experts"):
+        Partition.of(_config(4, 2, moe=moe, packed_projections=True), 2, 0)
 
 
 def test_parallel_config_checks_the_layout():
@@ -161,12 +169,17 @@ def _core_over(core: EngineCore, scenario: str) -> EngineCore:
 
 # Gemma 2: sliding-window and soft-capped attention, sandwich norms, the
 # scaled embedding (after the vocabulary-parallel all-reduce) and the final
-# logit soft-cap (on the gathered logits).
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2"])
+# logit soft-cap (on the gathered logits); Phi-3: packed tensors split part
+# by part, partial rotary; Qwen3-MoE: experts split by rows, one all-reduce
+# per MoE layer.
+NEW = ("gemma2", "phi3", "qwen3_moe")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", *NEW])
 def engines(request):
     """(arch, TP=1 core, TP=2 core) over the same tiny model."""
     arch = request.param
-    path = (request.getfixturevalue("new_arch_dirs")(arch) if arch == "gemma2"
+    path = (request.getfixturevalue("new_arch_dirs")(arch) if arch in NEW
             else request.getfixturevalue(f"tiny_{arch}_dir"))
     common = dict(block_size=BLOCK_SIZE, num_kv_blocks=256)
     threads = torch.get_num_threads()  # rank 0 takes its share of the cores
@@ -182,6 +195,10 @@ def engines(request):
 def test_tp2_greedy_tokens_equal_tp1(engines, scenario):
     arch, single, sharded = engines
     assert sharded.backend.parallel.size == 2
+    local = sharded.backend.model_config  # rank 0's half of every split
+    assert local.num_heads * 2 == single.backend.config.num_heads
+    if local.moe is not None:
+        assert local.moe.intermediate_size * 2 == single.backend.config.moe.intermediate_size
     prompts = _prompts(LENGTHS[scenario], seed=len(arch))
     one, two = _core_over(single, scenario), _core_over(sharded, scenario)
     expected = run_all(one, prompts, GREEDY)

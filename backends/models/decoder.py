@@ -18,6 +18,8 @@ projection and gate/up into another, so a layer makes four matmuls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -53,6 +55,9 @@ class DecoderLayer(nn.Module):
             self.router = nn.Parameter(torch.empty(self.moe.num_experts, h), requires_grad=False)
             self.experts = nn.ModuleList(ExpertMLP(h, self.moe.intermediate_size)
                                          for _ in range(self.moe.num_experts))
+        # Under tensor parallelism (backends/parallel/layers.py): the
+        # all-reduce of the experts' summed partial outputs, once per layer.
+        self.moe_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         if not config.qk_norm:
             self.q_norm = self.k_norm = None
         else:
@@ -89,6 +94,8 @@ class DecoderLayer(nn.Module):
             out = self.down_proj(self.act_mul(self.gate_up_proj(x)))
         else:
             out = moe_mlp(x, self.router, self.experts, self.moe, self.act_mul)
+            if self.moe_reduce is not None:
+                out = self.moe_reduce(out)
         if self.config.sandwich_norms:
             out = ops.add_rms_norm(out, None, self.mlp_output_norm, eps)
         return out

@@ -24,8 +24,10 @@ quantization treats every expert like a dense MLP) and a ``router`` that is
 not a linear module (replicated, never quantized: its logits choose the
 experts). Norm weights (``offset`` added at load: Gemma's 1 + w) and the
 router are replicated. Packed checkpoint tensors (Phi-3's ``qkv_proj`` and
-``gate_up_proj``) and experts carry no Split: tensor parallelism refuses
-those models (backends/parallel/sharding.py) rather than split them wrongly.
+``gate_up_proj``) split part by part (``QKV_PACKED``, ``GATE_UP_PACKED``);
+experts split their own rows (``EXPERT_OUT`` / ``EXPERT_IN``), and their
+down projections' partial outputs are summed over experts before one
+all-reduce per layer (backends/parallel/layers.py).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ Shape = tuple[int, ...]
 @dataclass(frozen=True, slots=True)
 class Split:
     """How tensor parallelism splits a checkpoint tensor: along ``dim``,
-    in units of ``axis`` ("heads", "kv_heads", "intermediate", "vocab"), or
-    ``axis="reduced"`` for the bias of a row-parallel linear (added once,
-    after the all-reduce). A tensor without a Split is replicated."""
+    in units of ``axis`` ("heads", "kv_heads", "intermediate", "vocab",
+    "expert_intermediate"; "qkv" and "gate_up" for packed tensors, split
+    part by part), or ``axis="reduced"`` for the bias of a row-parallel linear
+    (added once, after the all-reduce). A tensor without a Split is
+    replicated."""
 
     dim: int
     axis: str
@@ -51,6 +55,11 @@ class Split:
 
 HEADS_OUT, KV_OUT, HEADS_IN = Split(0, "heads"), Split(0, "kv_heads"), Split(1, "heads")
 MLP_OUT, MLP_IN, VOCAB = Split(0, "intermediate"), Split(1, "intermediate"), Split(0, "vocab")
+# An expert's MLP rows (MoEConfig.intermediate_size wide).
+EXPERT_OUT, EXPERT_IN = Split(0, "expert_intermediate"), Split(1, "expert_intermediate")
+# Packed checkpoint tensors (Phi-3): q | k | v rows in one, gate | up in the other;
+# each rank keeps its heads / rows of every part.
+QKV_PACKED, GATE_UP_PACKED = Split(0, "qkv"), Split(0, "gate_up")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +159,7 @@ def _attention(c: ModelConfig, L: str, attn: str) -> list[ModelTensor]:
     h, q, kv = c.hidden_size, c.q_size, c.kv_size
     if c.packed_projections:  # Phi-3: one qkv_proj tensor, q rows then k then v
         spec = [_t(L + "qkv_proj.weight", (attn + "qkv_proj.weight", (q + 2 * kv, h)),
-                   linear=True)]
+                   linear=True, split=(QKV_PACKED,))]
     else:
         spec = [_t(L + "qkv_proj.weight", (attn + "q_proj.weight", (q, h)),
                    (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h)),
@@ -166,18 +175,18 @@ def _attention(c: ModelConfig, L: str, attn: str) -> list[ModelTensor]:
 
 def _mlp(c: ModelConfig, L: str, mlp: str, inter: int, dense: bool = True
          ) -> list[ModelTensor]:
-    """``dense``: the layer's MLP (split by tensor parallelism), not an expert."""
+    """``dense``: the layer's MLP, not an expert."""
     h = c.hidden_size
+    rows, cols = (MLP_OUT, MLP_IN) if dense else (EXPERT_OUT, EXPERT_IN)
     if c.packed_projections:  # Phi-3: gate rows then up rows in one tensor
         gate_up = _t(L + "gate_up_proj.weight", (mlp + "gate_up_proj.weight", (2 * inter, h)),
-                     linear=True)
+                     linear=True, split=(GATE_UP_PACKED,))
     else:
         gate_up = _t(L + "gate_up_proj.weight", (mlp + "gate_proj.weight", (inter, h)),
-                     (mlp + "up_proj.weight", (inter, h)), linear=True,
-                     split=(MLP_OUT, MLP_OUT) if dense else ())
+                     (mlp + "up_proj.weight", (inter, h)), linear=True, split=(rows, rows))
     return [gate_up,
             _t(L + "down_proj.weight", (mlp + "down_proj.weight", (h, inter)), linear=True,
-               split=(MLP_IN,) if dense and not c.packed_projections else ())]
+               split=(cols,))]
 
 
 def _experts(c: ModelConfig, L: str, mlp: str) -> list[ModelTensor]:

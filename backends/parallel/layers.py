@@ -8,7 +8,10 @@ module loading and the execution plan put there (plain, oneDNN-packed,
 quantized):
 
 * row-parallel linears (o_proj, down_proj: every linear whose weight the
-  spec splits along its input) all-reduce their output;
+  spec splits along its input) all-reduce their output; experts' down
+  projections do not: a mixture-of-experts layer sums their weighted
+  partial outputs and all-reduces that sum once (``moe_reduce``), so the
+  collectives never depend on which experts the router picked;
 * the embedding looks up its vocabulary rows and all-reduces (a token's row
   lives on one rank, the others contribute zeros);
 * the output projection computes its vocabulary slice of the logits, which
@@ -80,10 +83,15 @@ def parallelize(model: nn.Module, group: TensorParallelGroup, partition: Partiti
     output projection. Returns how many row-parallel linears were wrapped."""
     wrapped = 0
     for tensor in weight_spec(model.config):
+        if tensor.linear and ".experts." in tensor.linear:
+            continue
         if tensor.linear and tensor.attr == "weight" and tensor.row_parallel:
             model.set_submodule(tensor.linear,
                                 RowParallelLinear(model.get_submodule(tensor.linear), group))
             wrapped += 1
+    for layer in model.layers:
+        if layer.moe is not None:
+            layer.moe_reduce = group.all_reduce
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, partition.vocab[0], group)
     model.lm_head = VocabParallelHead(model.lm_head, partition.vocab_size, group)
     return wrapped

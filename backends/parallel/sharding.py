@@ -12,7 +12,11 @@ one rank:
   out as evenly as possible (SmolLM2-135M's 3 groups on 2 ranks: 2 and 1);
   with fewer, each KV head is replicated on ``size / groups`` ranks and its
   query heads are split among them;
-* the MLP's intermediate rows, as evenly as possible;
+* the MLP's intermediate rows, as evenly as possible; a mixture of experts
+  splits every expert's rows the same way (each rank holds a slice of every
+  expert, so routing needs no communication);
+* packed checkpoint tensors (Phi-3's q|k|v and gate|up) part by part: a rank
+  keeps its heads' rows of q, of k and of v, its rows of gate and of up;
 * the vocabulary, padded to a multiple of the rank count (padding rows are
   zero; their logits are cut off after the gather).
 
@@ -59,19 +63,24 @@ class Partition:
     vocab: tuple[int, int]        # rows of the padded vocabulary
     vocab_size: int               # the real one: rows past it are padding
     head_dim: int
+    expert_intermediate: tuple[int, int] = (0, 0)   # each expert's MLP rows (MoE)
+    # The whole model's q, k (= v) and MLP rows: where a packed tensor's parts begin.
+    q_rows: int = 0
+    kv_rows: int = 0
+    intermediate_rows: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, size: int, rank: int) -> Partition:
         if size < 1 or not 0 <= rank < size:
             raise ShardingError(f"rank {rank} of {size} is not a tensor-parallel rank")
-        if size > 1 and config.packed_projections:
+        moe = config.moe
+        if size > 1 and config.packed_projections and moe is not None:
             raise ShardingError(
-                f"{config.architecture}: tensor parallelism does not split packed q/k/v and "
-                f"gate/up checkpoint tensors (Phi-3) yet; serve it on one rank")
-        if size > 1 and config.moe is not None:
-            raise ShardingError(
-                f"{config.architecture}: tensor parallelism does not split mixture-of-experts "
-                f"layers yet; serve it on one rank")
+                f"{config.architecture}: tensor parallelism does not split packed gate/up "
+                f"tensors of experts; serve it on one rank")
+        if moe is not None and moe.intermediate_size < size:
+            raise ShardingError(f"experts of {moe.intermediate_size} rows cannot be split "
+                                f"over {size} ranks")
         groups, heads = config.num_kv_heads, config.num_heads
         per_group = heads // groups
         if groups >= size:
@@ -98,7 +107,9 @@ class Partition:
         return cls(rank, size, head_range, kv_range,
                    _even(config.intermediate_size, size, rank),
                    (rank * per_rank, (rank + 1) * per_rank), config.vocab_size,
-                   config.head_dim)
+                   config.head_dim,
+                   _even(moe.intermediate_size, size, rank) if moe is not None else (0, 0),
+                   config.q_size, config.kv_size, config.intermediate_size)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -106,11 +117,15 @@ class Partition:
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` as this rank's share of the model."""
+        moe = config.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=self.expert_intermediate[1]
+                                      - self.expert_intermediate[0])
         return dataclasses.replace(
             config, num_heads=self.heads[1] - self.heads[0],
             num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
             intermediate_size=self.intermediate[1] - self.intermediate[0],
-            vocab_size=self.vocab[1] - self.vocab[0])
+            vocab_size=self.vocab[1] - self.vocab[0], moe=moe)
 
     def rows(self, split: Split) -> tuple[int, int]:
         """The element range of the split dimension this rank keeps."""
@@ -122,7 +137,22 @@ class Partition:
             return self.intermediate
         if split.axis == "vocab":
             return self.vocab
+        if split.axis == "expert_intermediate":
+            return self.expert_intermediate
         raise ShardingError(f"unknown split axis {split.axis!r}")
+
+    def ranges(self, split: Split) -> list[tuple[int, int]]:
+        """The element ranges of the split dimension this rank keeps, in
+        order: one, or one per part of a packed tensor (q | k | v rows,
+        gate | up rows)."""
+        if split.axis == "qkv":
+            (q0, q1), (k0, k1) = (self.rows(Split(0, "heads")), self.rows(Split(0, "kv_heads")))
+            v = self.q_rows + self.kv_rows
+            return [(q0, q1), (self.q_rows + k0, self.q_rows + k1), (v + k0, v + k1)]
+        if split.axis == "gate_up":
+            i0, i1 = self.intermediate
+            return [(i0, i1), (self.intermediate_rows + i0, self.intermediate_rows + i1)]
+        return [self.rows(split)]
 
 
 class CheckpointShard:
@@ -154,7 +184,11 @@ class CheckpointShard:
             # A bias after a row-parallel matmul: added once, after the all-reduce.
             full = source[:] if hasattr(source, "get_shape") else source
             return full if self.partition.rank == 0 else torch.zeros_like(full)
-        start, stop = self.partition.rows(split)
+        ranges = self.partition.ranges(split)
+        if len(ranges) > 1:  # a packed tensor: this rank's rows of every part
+            parts = [source[(slice(None),) * split.dim + (slice(a, b),)] for a, b in ranges]
+            return torch.cat(parts, dim=split.dim).contiguous()
+        start, stop = ranges[0]
         end = min(stop, shape[split.dim])
         index = (slice(None),) * split.dim + (slice(start, end),)
         part = source[index]
