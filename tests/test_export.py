@@ -3,6 +3,7 @@ Baton and in transformers and gives the same greedy tokens as the GGUF."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backends.interface import SamplingParams
@@ -32,3 +33,16 @@ def test_export_round_trip(tmp_path):
                          eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
     assert ref == from_gguf.token_ids
     assert AutoTokenizer.from_pretrained(out)("The quick brown fox")["input_ids"] == prompt
+
+
+def test_export_refuses_a_family_it_cannot_write(new_arch_dirs):
+    """The export writes the families GGUF files bring (Llama, Mistral,
+    Qwen2, Qwen3); Gemma and the others come as Hugging Face folders already,
+    and asking to export one is a clear error, not a wrong config.json."""
+    from backends.errors import ModelLoadError
+    from backends.loader import load_model
+    from backends.loader.export import hf_config
+    loaded = load_model(new_arch_dirs("gemma2"))
+    with pytest.raises(ModelLoadError, match="writes llama, mistral, qwen2, qwen3 models, "
+                                             "not gemma2"):
+        hf_config(loaded, torch.float32)
