@@ -62,3 +62,16 @@ def test_quantized_linears(tiny_new_arch_dir, mode):
     exact = _top1_along(make_engine(path), ids)
     bound = {"int8": 0.8, "int4": 0.25, "bfloat16": 0.8}[mode]
     assert sum(a == b for a, b in zip(got, exact)) >= bound * len(exact), arch
+
+
+def test_int4_group_size_fits_dense_and_expert_layers():
+    """The automatic int4 group divides every layer's widths: a Qwen3-MoE
+    whose layer 0 has experts of 128 rows and layer 1 a dense MLP of 96."""
+    from backends.config import ModelConfig, MoEConfig
+    from backends.quantization.spec import QuantizationSpec, resolve_group_size
+    config = ModelConfig("qwen3_moe", vocab_size=100, hidden_size=128, intermediate_size=96,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                         moe=MoEConfig(num_experts=4, experts_per_token=2,
+                                       intermediate_size=128, dense_layers=(1,)))
+    spec, why = resolve_group_size(QuantizationSpec("int4"), config)
+    assert spec.group_size == 32 and "96" in why

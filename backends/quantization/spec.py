@@ -70,11 +70,12 @@ def gguf_block_types() -> frozenset[str]:
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each linear module of a decoder layer
-    (the weight spec's, e.g. "qkv_proj")."""
+    """(out_features, in_features) of each kind of linear module of the
+    decoder layers (the weight spec's names less the layer, e.g. "qkv_proj",
+    "experts.0.down_proj"): every layer's, as a mixture of experts may keep
+    dense MLPs in some layers (Qwen3-MoE's ``mlp_only_layers``)."""
     return {weight.linear.partition(".")[2].partition(".")[2]: weight.shape
-            for weight, _bias in layer_linears(config).values()
-            if weight.linear.startswith("layers.0.")}
+            for weight, _bias in layer_linears(config).values()}
 
 
 def projection_formats(source_formats: Mapping[str, str]) -> frozenset[str]:
