@@ -5,6 +5,7 @@ rotary embedding, and the config variants hub checkpoints ship."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -212,3 +213,62 @@ def test_gemma_config_errors(new_arch_dirs, edit, message) -> None:
     raw = {**_raw(new_arch_dirs("gemma2")), **edit}
     with pytest.raises(ModelLoadError, match=message):
         parse_hf_config(raw)
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers"])
+def test_gemma3_image_text_checkpoint_serves_its_language_model(new_arch_dirs, tmp_path,
+                                                                 layout) -> None:
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: a sparse
+    text_config over Gemma3TextConfig's defaults, the language model's
+    tensors under ``language_model.model.*`` (the hub's files) or
+    ``model.language_model.*`` (transformers 4.52+), a vision tower beside
+    them. Baton reads the language model alone: the same config and weights
+    as the text-only folder (whose tokens tests/test_architectures.py checks
+    against transformers), the vision tensors left unread."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from backends.loader.hf import _GEMMA3_TEXT_DEFAULTS
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    for key, value in _GEMMA3_TEXT_DEFAULTS.items():
+        if key == "rope_theta":
+            assert defaults["rope_parameters"][FULL_ATTENTION]["rope_theta"] == value
+        elif key == "rope_local_base_freq":
+            assert defaults["rope_parameters"][SLIDING_ATTENTION]["rope_theta"] == value
+        else:
+            assert defaults[key] == value, key
+
+    src = new_arch_dirs("gemma3")
+    text = _raw(src)
+    sparse = {k: v for k, v in text.items()
+              if k not in ("architectures", "dtype", "torch_dtype", "transformers_version")
+              and defaults.get(k, object()) != v}
+    assert "vocab_size" in sparse and "max_position_embeddings" in sparse
+    out = tmp_path / layout
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / name, out / name)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": sparse, "mm_tokens_per_image": 4,
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8}}))
+    model, outer = (("language_model.model.", "") if layout == "hub"
+                    else ("model.language_model.", "model."))
+    tensors = {}
+    for name, value in load_file(src / "model.safetensors").items():
+        if name == "lm_head.weight":
+            tensors["language_model.lm_head.weight" if layout == "hub" else name] = value
+        else:
+            tensors[model + name.removeprefix("model.")] = value
+    tensors[outer + "vision_tower.vision_model.embeddings.patch_embedding.weight"] = \
+        torch.zeros(8, 3, 2, 2)
+    tensors[outer + "multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, 64)
+    save_file(tensors, out / "model.safetensors")
+
+    got, want = load_hf_folder(out), load_hf_folder(src)
+    assert got.config == dataclasses.replace(want.config, name=got.config.name)
+    assert got.weights.keys() == want.weights.keys()
+    for name, value in want.weights.items():
+        assert torch.equal(got.weights[name], value), name

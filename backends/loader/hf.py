@@ -11,6 +11,7 @@ library's traceback.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -36,6 +37,8 @@ from backends.loader.generation_config import parse_generation_config
 from backends.progress import Progress
 from backends.models.weight_spec import checkpoint_shapes
 
+log = logging.getLogger("baton")
+
 _ARCH_BY_CLASS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -48,6 +51,18 @@ _ARCH_BY_CLASS = {
 }
 # model_type values that name a family differently from Baton.
 _ARCH_BY_MODEL_TYPE = {"gemma3_text": "gemma3"}
+# Image-text models whose language model Baton serves alone: the class, and the
+# text configuration class's defaults for what a hub config's (sparse)
+# text_config leaves out (transformers' Gemma3TextConfig).
+_MULTIMODAL = {"Gemma3ForConditionalGeneration"}
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "tie_word_embeddings": True,
+}
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _GEMMA = ("gemma2", "gemma3")
 # Families whose sliding window covers every layer (when set), and those
@@ -83,7 +98,11 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype = torch.floa
     config = parse_hf_config(raw_config, name=folder.resolve().name)
     tokenizer = _load_tokenizer(folder)
     sharder = shard(config) if shard is not None else None
-    weights = _load_weights(folder, dtype, progress, sharder)
+    rename = _language_model_name if _is_multimodal(raw_config) else None
+    weights = _load_weights(folder, dtype, progress, sharder, rename)
+    if rename is not None:
+        log.info("%s: serving the language model of %s; its vision tower is not loaded "
+                 "(requests are text only)", folder.name, raw_config["architectures"][0])
     _validate_weights(weights, sharder.local_config if sharder is not None else config)
     generation = _load_generation(folder, raw_config, tokenizer)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
@@ -100,7 +119,41 @@ def parse_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raise ModelLoadError(f"config.json: {exc}") from None
 
 
+def _is_multimodal(raw: dict[str, Any]) -> bool:
+    classes = raw.get("architectures") or []
+    return bool(classes) and classes[0] in _MULTIMODAL
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """An image-text model's language model configuration (its text_config
+    over the text class's defaults), as a text-only model's config.json."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"config.json: {raw['architectures'][0]} without a text_config")
+    merged = {**_GEMMA3_TEXT_DEFAULTS, **text}
+    merged.pop("architectures", None)
+    merged["model_type"] = "gemma3_text"
+    if "tie_word_embeddings" in raw and "tie_word_embeddings" not in text:
+        merged["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return merged
+
+
+def _language_model_name(name: str) -> str | None:
+    """An image-text checkpoint's tensor name as its language model's
+    (None: a vision tower or projector tensor, not read). Both layouts:
+    the hub's ``language_model.model.*`` and transformers 4.52+'s
+    ``model.language_model.*``."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name in ("language_model.lm_head.weight", "lm_head.weight"):
+        return "lm_head.weight"
+    return None
+
+
 def _parse_config(raw: dict[str, Any], name: str) -> ModelConfig:
+    if _is_multimodal(raw):
+        raw = _text_config(raw)
     arch = _architecture(raw)
     hidden_size = _require_int(raw, "hidden_size")
     num_heads = _require_int(raw, "num_attention_heads")
@@ -359,7 +412,9 @@ def _optional_int(raw: dict[str, Any], key: str, default: int | None) -> int | N
 # ---------------------------------------------------------------- weights
 
 def _load_weights(folder: Path, dtype: torch.dtype, progress: bool,
-                  sharder=None) -> dict[str, torch.Tensor]:
+                  sharder=None, rename=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files, under its checkpoint
+    name; ``rename`` maps a file's name to that (None: not read)."""
     names_by_file = _weight_files(folder)
     total = sum(len(names) for names in names_by_file.values())
     # A bar on a terminal, a line every few seconds elsewhere.
@@ -367,7 +422,8 @@ def _load_weights(folder: Path, dtype: torch.dtype, progress: bool,
     weights: dict[str, torch.Tensor] = {}
     with bar:
         for file, names in names_by_file.items():
-            weights.update(_read_safetensors(folder / file, names, dtype, bar, sharder))
+            weights.update(_read_safetensors(folder / file, names, dtype, bar, sharder,
+                                             rename))
     return weights
 
 
@@ -404,7 +460,7 @@ def _corrupt(path: Path, exc: Exception) -> ModelLoadError:
 
 
 def _read_safetensors(path: Path, names: list[str], dtype: torch.dtype,
-                      bar: Any, sharder=None) -> dict[str, torch.Tensor]:
+                      bar: Any, sharder=None, rename=None) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ModelLoadError(f"weights file {path} is missing")
     out: dict[str, torch.Tensor] = {}
@@ -420,9 +476,12 @@ def _read_safetensors(path: Path, names: list[str], dtype: torch.dtype,
                 # Rotary frequencies are recomputed from the config.
                 if name.endswith("inv_freq"):
                     continue
+                target = name if rename is None else rename(name)
+                if target is None:
+                    continue
                 tensor = (f.get_tensor(name) if sharder is None
-                          else sharder.take(name, f.get_slice(name)))
-                out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                          else sharder.take(target, f.get_slice(name)))
+                out[target] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     except (SafetensorError, OSError) as exc:
         raise _corrupt(path, exc) from None
     return out
