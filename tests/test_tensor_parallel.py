@@ -136,6 +136,25 @@ def test_serve_refuses_a_step_timeout_with_tensor_parallelism(capsys):
     assert "--distributed-timeout" in capsys.readouterr().err
 
 
+def test_each_rank_of_a_node_gets_its_own_cores(monkeypatch):
+    """--threads T per rank, pinned: rank i of a node on cores i*T..i*T+T-1
+    of the process's CPU set (default T: an equal share); too few cores for
+    that, nothing is pinned; a second node numbers its ranks on from the first."""
+    from service import tensor_parallel as tp
+    from service.config import EngineArgs
+    monkeypatch.setattr(tp.os, "sched_getaffinity", lambda pid: {2, 3, 4, 5, 6, 7, 8, 9})
+    assert tp.core_layout(2, None) == [(2, 3, 4, 5), (6, 7, 8, 9)]
+    assert tp.core_layout(4, 2) == [(2, 3), (4, 5), (6, 7), (8, 9)]
+    assert tp.core_layout(2, 1) == [(2,), (3,)]
+    assert tp.core_layout(4, 3) is None
+    specs = tp._specs(EngineArgs(threads=2, parallel=ParallelConfig(
+        tensor_parallel_size=4, nnodes=2, node_rank=1)), port=29500)
+    assert [(s.rank, s.cores, s.threads) for s in specs] == [(2, (2, 3), 2), (3, (4, 5), 2)]
+    unpinned = tp._specs(EngineArgs(threads=3, parallel=ParallelConfig(
+        tensor_parallel_size=4)), port=29500)
+    assert [(s.cores, s.threads) for s in unpinned] == [(None, 3)] * 4
+
+
 # ------------------------------------------------------------- agreement
 def _prompts(lengths, seed: int) -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(seed)

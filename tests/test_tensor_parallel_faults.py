@@ -72,3 +72,25 @@ def test_a_killed_rank_fails_the_engine_cleanly(tiny_llama_dir):
     finally:
         core.backend.shutdown()
         torch.set_num_threads(threads)
+
+
+def test_a_worker_that_dies_while_the_engine_idles_fails_the_group():
+    """No step needs to touch the dead rank: rank 0's watch on its workers
+    fails the group within seconds, naming the rank and its exit code, and
+    that is what /health reads (backend.fatal_error)."""
+    import multiprocessing
+
+    from backends.parallel.group import TensorParallelGroup
+    group = TensorParallelGroup(ParallelConfig(tensor_parallel_size=2), 0,
+                                torch.device("cpu"), None, None)
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,),
+                                                         name="rank 1", daemon=True)
+    worker.start()
+    group._watch_workers([worker])
+    assert group.fatal_error is None
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while group.fatal_error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group.fatal_error == (f"tensor-parallel worker rank 1 (pid {worker.pid}) "
+                                 f"exited with code -9"), group.fatal_error
