@@ -64,7 +64,7 @@ COPY deploy/docker-entrypoint.sh /usr/local/bin/baton-entrypoint
 RUN useradd --create-home --uid 10001 baton \
  && mkdir -p /models /cache/huggingface && chown baton:baton /cache/huggingface
 USER baton
-ENV BATON_HOST=0.0.0.0 BATON_PORT=8000 HF_HOME=/cache/huggingface
+ENV MALLOC_ARENA_MAX=2 BATON_HOST=0.0.0.0 BATON_PORT=8000 HF_HOME=/cache/huggingface
 VOLUME ["/cache/huggingface"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
@@ -93,7 +93,7 @@ COPY deploy/docker-entrypoint.sh /usr/local/bin/baton-entrypoint
 RUN useradd --create-home --uid 10001 baton \
  && mkdir -p /models /cache/huggingface && chown baton:baton /cache/huggingface
 USER baton
-ENV BATON_HOST=0.0.0.0 BATON_PORT=8000 BATON_DEVICE=cuda HF_HOME=/cache/huggingface
+ENV MALLOC_ARENA_MAX=2 BATON_HOST=0.0.0.0 BATON_PORT=8000 BATON_DEVICE=cuda HF_HOME=/cache/huggingface
 VOLUME ["/cache/huggingface"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
