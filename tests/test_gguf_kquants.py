@@ -32,7 +32,7 @@ from backends.quantization.ggml import GGUFBlocks, q4_to_int4
 from backends.quantization.int4 import Int4Linear
 from tests.engine_helpers import make_engine, run_all
 from tests.test_gguf_dequant import random_blocks
-from tests.test_gguf_loader import TINY_MERGES, TINY_TOKENS, TINY_TYPES
+from tests.test_gguf_loader import TINY_TOKENS, tiny_llama_writer
 
 BF16_UNIT = 2.0 ** -8  # bfloat16 rounds to nearest within this relative error
 
@@ -129,20 +129,8 @@ SHAPES = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, 
 def kquant_gguf(tmp_path_factory):
     rng = np.random.default_rng(7)
     path = tmp_path_factory.mktemp("kquants") / "tiny-llama.Q4_K_M.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("tiny-kquants")
-    for add, value in ((writer.add_block_count, 2), (writer.add_context_length, 256),
-                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
-                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
-                       (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6)):
-        add(value)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(TINY_TOKENS)
-    writer.add_token_types(TINY_TYPES)
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_bos_token_id(258)
-    writer.add_eos_token_id(259)
+    writer = tiny_llama_writer(path, "tiny-kquants", hidden=HIDDEN, ffn=FFN, heads=HEADS,
+                               kv_heads=KV_HEADS)
     writer.add_tensor("token_embd.weight",
                       (0.5 * rng.standard_normal((VOCAB, HIDDEN))).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))

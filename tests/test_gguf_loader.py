@@ -253,6 +253,28 @@ TINY_TYPES = [1] * 258 + [3, 4]
 TINY_MERGES = ["a b", "ab c"]
 
 
+
+def tiny_llama_writer(path: pathlib.Path, name: str, *, hidden: int, ffn: int, heads: int,
+                      kv_heads: int, layers: int = 2) -> gguf.GGUFWriter:
+    """A GGUFWriter for a small llama file with the byte-level tokenizer and
+    llama.cpp's defaults (rope base 10000, eos 259): the caller adds tensors and writes."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(name)
+    for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
+                       (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6)):
+        add(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(TINY_TOKENS)
+    writer.add_token_types(TINY_TYPES)
+    writer.add_token_merges(TINY_MERGES)
+    writer.add_bos_token_id(258)
+    writer.add_eos_token_id(259)
+    return writer
+
+
 def write_gguf(path: pathlib.Path, arch: str, tensors: dict[str, np.ndarray], *,
                hidden: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2, ffn: int = 24,
                key_length: int | None = None, pre: str = "qwen2", quantized: Sequence[str] = (),

@@ -36,7 +36,7 @@ from backends.quantization.int8 import Int8Linear, dequantize_int8, quantize_int
 from service.config import EngineArgs
 from tests.engine_helpers import assert_all_free, make_engine, run_all
 from tests.server_helpers import free_port, running_server
-from tests.test_gguf_loader import TINY_MERGES, TINY_TOKENS, TINY_TYPES, llama_cpp_permute
+from tests.test_gguf_loader import TINY_TOKENS, llama_cpp_permute, tiny_llama_writer
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16_EPS = 2.0 ** -8  # relative rounding of a bfloat16 activation
@@ -190,20 +190,8 @@ def tiny_gguf(tmp_path_factory) -> Path:
             p + "ffn_gate.weight": r(FFN, HIDDEN), p + "ffn_up.weight": r(FFN, HIDDEN),
             p + "ffn_down.weight": r(HIDDEN, FFN)}
     path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.Q4_1.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("tiny-llama")
-    for add, value in ((writer.add_block_count, 2), (writer.add_context_length, 256),
-                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
-                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
-                       (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6)):
-        add(value)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(TINY_TOKENS)
-    writer.add_token_types(TINY_TYPES)
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_bos_token_id(258)
-    writer.add_eos_token_id(259)
+    writer = tiny_llama_writer(path, "tiny-llama", hidden=HIDDEN, ffn=FFN, heads=HEADS,
+                               kv_heads=KV_HEADS)
     for name, array in tensors.items():
         kind = GGUF_TYPES.get(name, T.F32)
         if kind == T.F16:
