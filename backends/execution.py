@@ -305,6 +305,12 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     elif bf16_weights:
         linear = ("bf16-gemv+onednn" if native and onednn else
                   "onednn-f32-copy" if onednn else "torch")
+    elif activation == "bfloat16" and native and onednn:
+        # Native bf16: oneDNN's bf16 kernels (AMX where present) for batches,
+        # the tiled bf16 gemv for a few rows (a second copy of the weights:
+        # what the whole-step decode streams; oneDNN's packed layout is
+        # opaque, and its kernels are slower than the gemv at one row).
+        linear = "bf16-gemv+onednn"
     else:
         linear = "onednn" if onednn else "torch"
     # The packed output projection is a second copy of the (often tied)
@@ -316,8 +322,10 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     notes = []
     if fast and kernels is None and available.reason:
         notes.append(f"no native kernels: {available.reason}")
-    # The whole-step decode runs every layer in one native call: there is
-    # no point between layers for a tensor-parallel all-reduce.
+    # The whole-step decode runs every layer in one native call (float32
+    # activations of the bf16-weights mode, or bf16 ones rounded where the
+    # layer-by-layer path rounds): there is no point between layers for a
+    # tensor-parallel all-reduce.
     whole_step = 4 if native and linear == "bf16-gemv+onednn" else 0
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"

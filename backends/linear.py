@@ -83,16 +83,25 @@ def prepack_linears(model: nn.Module) -> int:
 
 
 class Bf16WeightLinear(nn.Module):
-    """A linear layer with bfloat16 weights and float32 arithmetic, for CPUs
-    without native bfloat16 instructions (where torch emulates bf16 matmuls
-    several times slower than float32).
+    """A linear layer with bfloat16 weights that keeps them in two layouts:
+    the native gemv's tiles for up to ``gemv.max_rows`` input rows (decoding
+    a few sequences, bound by reading the weights) and oneDNN's packed layout
+    for more rows (bound by arithmetic).
 
-    Up to ``gemv.max_rows`` input rows (decoding a few sequences, bound by
-    reading the weights) a native kernel streams the bfloat16 weights and
-    widens them in registers: half the bytes of float32. More rows (bound by
-    arithmetic) run oneDNN's float32 kernel on an exact float32 copy. Both
-    compute x @ W^T with x in float32 and W's bfloat16 values, accumulated in
-    float32, so the batch size changes only the summation order.
+    Its arithmetic follows the dtype of the weight it is given:
+
+    * float32 weight holding bfloat16 values (the bf16-weights mode of CPUs
+      without native bf16, where torch emulates bf16 matmuls several times
+      slower than float32): float32 activations; the gemv widens the bf16
+      tiles in registers (half the bytes of float32), oneDNN runs its float32
+      kernel on an exact float32 copy;
+    * bfloat16 weight (CPUs with native bf16): bfloat16 activations; the gemv
+      (VDPBF16PS where the CPU has it) and oneDNN's bf16 kernel (AMX where
+      present) both accumulate in float32 and round the output to bf16.
+
+    Either way the batch size changes only the summation order. The tiles are
+    a second copy of the weights beside oneDNN's: it is what the whole-step
+    decode (backends/kernels/decode_bf16.c) streams.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv) -> None:
@@ -100,11 +109,12 @@ class Bf16WeightLinear(nn.Module):
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.gemv = gemv
+        act = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
         w16 = weight.detach().to(torch.bfloat16)
         # The gemv kernel's tiled layout (rows padded to 8, columns to 16).
         self.register_buffer("weight_tiled", gemv.tile(w16), persistent=False)
-        self.register_buffer("packed_weight", _reorder(w16.float()), persistent=False)
-        b = None if bias is None else bias.detach().to(torch.bfloat16).float().contiguous()
+        self.register_buffer("packed_weight", _reorder(w16.to(act)), persistent=False)
+        b = None if bias is None else bias.detach().to(torch.bfloat16).to(act).contiguous()
         self.register_buffer("bias", b, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +125,7 @@ class Bf16WeightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bfloat16 weights")
+                f"bfloat16 weights, {self.packed_weight.dtype} activations")
 
 
 def bf16_weights_linears(model: nn.Module, gemv) -> int:
@@ -128,8 +138,10 @@ def swap_linears(model: nn.Module, plan) -> int:
     """Give the decoder layers' linear modules and the output projection
     (``model.layers``, ``model.lm_head``) the implementation ``plan`` names
     (backends/execution.py): ``onednn`` / ``onednn-f32-copy`` PackedLinear,
-    ``bf16-gemv+onednn`` Bf16WeightLinear; ``torch`` and the quantized kinds
-    keep what loading put there. Returns how many layer linears changed."""
+    ``bf16-gemv+onednn`` Bf16WeightLinear (float32 weights of bf16 values, or
+    bf16 weights: the model's activation dtype); ``torch`` and the quantized
+    kinds keep what loading put there. Returns how many layer linears
+    changed."""
     make = None
     if plan.linear in ("onednn", "onednn-f32-copy"):
         make = PackedLinear

@@ -164,23 +164,37 @@ class TorchBackend:
         else:
             self._shared_generator.manual_seed(seed)
 
-    def _native_decode(self):
-        """The whole-step native decode for a few sequences (bf16 weights)."""
+    def _native_decode(self, kind: str | None = None):
+        """The whole-step native decode for a few sequences: bf16 weights (the
+        linears' tiles), float32 or bf16 activations, the plan's kernel kind
+        (tests force the lower kinds' builds). Logs what the tiles cost in
+        memory beside oneDNN's packed copy."""
         from backends.kernels import DecodeBf16, DecodeLayerWeights
         c, m = self.config, self.model
+
+        def f32(t):  # norms and bias: float32 (bf16 values widen exactly)
+            return None if t is None else t.detach().float().contiguous()
         layers = [
             DecodeLayerWeights(
-                input_norm=layer.input_norm, post_norm=layer.post_attention_norm,
+                input_norm=f32(layer.input_norm), post_norm=f32(layer.post_attention_norm),
                 qkv=layer.qkv_proj.weight_tiled, o=layer.o_proj.weight_tiled,
                 gate_up=layer.gate_up_proj.weight_tiled, down=layer.down_proj.weight_tiled,
-                k_cache=k, v_cache=v, qkv_bias=layer.qkv_proj.bias,
-                q_norm=layer.q_norm, k_norm=layer.k_norm)
+                k_cache=k, v_cache=v, qkv_bias=f32(layer.qkv_proj.bias),
+                q_norm=f32(layer.q_norm), k_norm=f32(layer.k_norm))
             for layer, (k, v) in zip(m.layers, self.kv_caches)]
+        tiles = sum(t.numel() * t.element_size() for w in layers
+                    for t in (w.qkv, w.o, w.gate_up, w.down))
+        if self.parallel is None or self.parallel.rank == 0:
+            log.info("whole-step decode for up to %d rows streams the layers' tiled bf16 "
+                     "weights: %.0f MB beside oneDNN's packed copy",
+                     self.plan.whole_step_decode, tiles / 2**20)
         return DecodeBf16(
-            self.plan.kernels, hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim, intermediate=c.intermediate_size, block_size=self.block_size,
+            kind or self.plan.kernels, hidden=c.hidden_size, num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            intermediate=c.intermediate_size, block_size=self.block_size,
             eps=c.rms_norm_eps, cos_table=m.cos_table, sin_table=m.sin_table,
-            final_norm=m.norm, layers=layers)
+            final_norm=f32(m.norm), layers=layers,
+            activation_dtype=DTYPES[self.plan.activation_dtype])
 
     @property
     def bf16_weights(self) -> bool:

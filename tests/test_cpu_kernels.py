@@ -448,6 +448,30 @@ def test_bf16_gemv_matches_float32_matmul(kind, rows, out_features, in_features)
         gemv(torch.randn(gemv.max_rows + 1, in_features), tiled, out_features)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 77)])
+def test_bf16_gemv_of_bf16_rows_rounds_once(kind, rows, out_features, in_features):
+    """bf16 activations (native-bf16 CPUs; VDPBF16PS in the avx512_bf16
+    build): the float32 sum of exact products plus bias, rounded once to
+    bf16, as oneDNN's bf16 linear rounds. Only the summation order may
+    differ, so each value is the reference's or one bf16 step from it."""
+    gemv = native.GemvBf16(kind)
+    gen = torch.Generator().manual_seed(3 * rows + in_features)
+    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x16 = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    b16 = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    tiled = gemv.tile(w16)
+    for bias in (b16, None):
+        y = gemv(x16, tiled, out_features, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        ref = F.linear(x16.double(), w16.double(), None if bias is None else bias.double())
+        exact = (y.double() == ref.to(torch.bfloat16).double()).float().mean().item()
+        assert exact >= 0.95, exact
+        torch.testing.assert_close(y.double(), ref, atol=1e-6, rtol=2 ** -7)
+    with pytest.raises(RuntimeError, match="bias"):
+        gemv(x16, tiled, out_features, b16.float())
+
+
 def test_bf16_weight_linear_is_one_function_of_the_rows(kind, packing):
     """Small batches (bf16 gemv) and large ones (float32 copy) compute the
     same x @ W^T on W's bfloat16 values."""
@@ -538,7 +562,8 @@ def test_native_bf16_agrees_with_the_bf16_torch_ops(request, arch):
     plan = fast.plan
     assert (plan.activation_dtype, plan.kv_dtype, plan.kernels) == ("bfloat16", "bfloat16",
                                                                     CPU.kind)
-    assert plan.decode_attention == "native" and plan.linear in ("onednn", "torch")
+    assert plan.decode_attention == "native"
+    assert plan.linear in ("bf16-gemv+onednn", "torch")
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 6, 13, 4)]
     ids_fast, lp_fast = _run(fast, prompts, 10)
@@ -551,6 +576,40 @@ def test_native_bf16_agrees_with_the_bf16_torch_ops(request, arch):
     assert err_fast <= 1.5 * err_slow + 0.01, (err_fast, err_slow)
     same = sum(a == b for x, y in zip(ids_fast, ids_slow) for a, b in zip(x, y))
     assert same >= 0.8 * sum(len(x) for x in ids_fast)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_native_bf16_whole_step_decode_agrees_with_its_layer_path(kind, request, arch):
+    """CPUs with native bf16: up to four decode rows run as one native call
+    in bf16 (activations rounded where the layer-by-layer path rounds them,
+    bf16 KV cache read in place). Each CPU kind's build of that step (the
+    plan picks avx512_bf16's, VDPBF16PS) against the same plan layer by
+    layer: the same greedy tokens and logprobs to bf16 precision."""
+    if not CPU.native_bf16:
+        pytest.skip(f"this CPU ({CPU.describe()}) has no native bf16: its plans never "
+                    "run the bf16 whole-step decode")
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    fast = _backend(path, "bfloat16")
+    plan = fast.plan
+    assert (plan.activation_dtype, plan.linear, plan.whole_step_decode) == (
+        "bfloat16", "bf16-gemv+onednn", 4)
+    assert "whole-step decode <= 4 rows" in plan.describe()
+    fast._whole_step = _CountingDecode(fast._native_decode(kind))
+    layered = _backend(path, "bfloat16")
+    layered._whole_step = None
+    gen = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 3, 6, 2)]
+    for n in (1, 4, 5):
+        fast._whole_step.rows.clear()
+        ids_a, lp_a = _run(fast, prompts[:n], 8)
+        ids_b, lp_b = _run(layered, prompts[:n], 8)
+        assert ids_a == ids_b
+        # Only the summation order may differ (here: none at all between the
+        # avx512_bf16 step and the layers' gemv); the same step without its
+        # bf16 roundings is 0.03-0.1 off and changes tokens.
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
+        steps = 9 if n == 1 else 8
+        assert fast._whole_step.rows == ([n] * steps if n <= 4 else [])
 
 
 def test_numerics_do_not_depend_on_the_compiler(tiny_llama_dir):

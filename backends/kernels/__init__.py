@@ -232,10 +232,11 @@ def _register_fakes() -> None:
 
 
 class GemvBf16:
-    """y = x @ W^T (+ bias) for up to ``max_rows`` float32 rows and bfloat16
-    weights, accumulated in float32 (``torch.ops.baton.gemv_bf16``). W is
-    passed as ``tile(W)``: the layout the kernel streams (rows padded to 8,
-    columns to 16, tile by tile)."""
+    """y = x @ W^T (+ bias) for up to ``max_rows`` rows and bfloat16 weights,
+    accumulated in float32 (``torch.ops.baton.gemv_bf16``). x float32: y
+    float32; x bfloat16: y rounded to bfloat16 (the avx512_bf16 build
+    multiplies with VDPBF16PS). W is passed as ``tile(W)``: the layout the
+    kernel streams (rows padded to 8, columns to 16, tile by tile)."""
 
     TILE_ROWS = 8
     TILE_COLS = 16
@@ -282,16 +283,17 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [*[(name, _i64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-        "block_size", "kv_bf16")],
+        "block_size", "kv_bf16", "act_bf16")],
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos_table", _p), ("sin_table", _p), ("final_norm", _p), ("layers", _p)]
 
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One layer's tensors for ``DecodeBf16``: norms and bias float32; caches
-    float32 or bfloat16 (all layers alike); matrices tiled bfloat16
-    (``GemvBf16.tile``); bias and q/k norms optional."""
+    """One layer's tensors for ``DecodeBf16``: norms and bias float32 (bf16
+    values widened, for bf16 activations); caches float32 or bfloat16 (all
+    layers alike); matrices tiled bfloat16 (``GemvBf16.tile``); bias and q/k
+    norms optional."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -308,13 +310,25 @@ class DecodeLayerWeights:
 
 class DecodeBf16:
     """A whole decode step (every layer and the final norm) in one native call,
-    for up to ``max_rows`` single-token rows, bfloat16 weights and float32
-    arithmetic (decode_bf16.c). Holds references to every tensor it points at."""
+    for up to ``max_rows`` single-token rows and bfloat16 weights
+    (decode_bf16.c). ``activation_dtype`` float32: float32 arithmetic and
+    activations (the bf16-weights mode of CPUs without native bf16);
+    bfloat16: every activation rounded to bf16 where the layer-by-layer bf16
+    path rounds it (CPUs with native bf16). Holds references to every tensor
+    it points at; the final norm and the layers' norms and bias are float32,
+    the rotary tables [positions, head_dim] in the activation dtype."""
 
     def __init__(self, kind: str, *, hidden: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate: int, block_size: int, eps: float,
                  cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
-                 layers: list[DecodeLayerWeights]) -> None:
+                 layers: list[DecodeLayerWeights],
+                 activation_dtype: torch.dtype = torch.float32) -> None:
+        if activation_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"DecodeBf16 computes float32 or bfloat16 activations, "
+                             f"not {activation_dtype}")
+        self.activation_dtype = activation_dtype
+        if cos_table.dtype != activation_dtype or sin_table.dtype != activation_dtype:
+            raise ValueError("DecodeBf16's rotary tables must be in the activation dtype")
         ok, reason = available(kind)
         if not ok:
             raise RuntimeError(reason)
@@ -348,6 +362,7 @@ class DecodeBf16:
             num_layers=len(layers), hidden=hidden, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
             block_size=block_size, kv_bf16=_kv_bf16(layers[0].k_cache) if layers else 0,
+            act_bf16=int(activation_dtype == torch.bfloat16),
             eps=eps, scale=head_dim ** -0.5,
             cos_table=cos_table.data_ptr(), sin_table=sin_table.data_ptr(),
             final_norm=final_norm.data_ptr(), layers=ctypes.addressof(self._layers))
@@ -355,14 +370,20 @@ class DecodeBf16:
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  ctx_lens: torch.Tensor, max_ctx: int) -> torch.Tensor:
-        """hidden [M, hidden] float32 embeddings (overwritten: the residual
-        stream) -> final-normed hidden [M, hidden]. positions, slot_mapping,
-        ctx_lens [M] and block_tables [M, NB] int64."""
+        """hidden [M, hidden] embeddings in the activation dtype (a float32
+        one is overwritten: the residual stream) -> final-normed hidden [M,
+        hidden] in that dtype. positions, slot_mapping, ctx_lens [M] and
+        block_tables [M, NB] int64."""
+        if hidden.dtype != self.activation_dtype:
+            raise ValueError(f"DecodeBf16 expects {self.activation_dtype} rows, "
+                             f"got {hidden.dtype}")
         m = hidden.shape[0]
+        # bf16 rows widen exactly; the step keeps them as float32 bf16 values.
+        hidden = hidden.float().contiguous()
         out = torch.empty_like(hidden)
         rc = self._fn(ctypes.byref(self._model), hidden.data_ptr(), m, positions.data_ptr(),
                       slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
                       ctx_lens.data_ptr(), max_ctx, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc}) for {m} rows")
-        return out
+        return out.to(self.activation_dtype)

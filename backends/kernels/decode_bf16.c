@@ -20,6 +20,16 @@
  *   x      = rms_norm(hidden) * post_norm
  *   delta  = (silu(x @ Wgate^T) * (x @ Wup^T)) @ Wdown^T
  * and at the end out = rms_norm(hidden + delta) * final_norm.
+ *
+ * With act_bf16 (CPUs with native bf16 run the model in bf16) every
+ * activation is rounded to a bf16 value where the layer-by-layer path stores
+ * a bf16 tensor: the residual stream after each add, the norm (twice, in the
+ * reference's order, as bf16_ops.c), each linear's output, q after rotary,
+ * attention's output, silu(gate) * up. The step then computes what the bf16
+ * kernels and oneDNN's bf16 linears compute, in another summation order;
+ * builds for AVX512_BF16 multiply with VDPBF16PS (gemv_bf16.c). Norm weights
+ * and bias are passed as float32 either way (bf16 values widened, for
+ * act_bf16); the rotary tables are the model's own, bf16 for act_bf16.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -35,8 +45,10 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
     int64_t kv_bf16;                                                    /* cache dtype */
+    int64_t act_bf16;                               /* activations rounded to bf16 */
     float eps, scale;
-    const float *cos_table, *sin_table, *final_norm;
+    const void *cos_table, *sin_table;    /* [positions, D]: float32, bf16 for act_bf16 */
+    const float *final_norm;
     const baton_layer *layers;
 } baton_model;
 
@@ -48,6 +60,59 @@ int baton_decode_bf16_struct_sizes(int64_t *layer, int64_t *model) {
 }
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* [x += delta;] out = rms_norm(x) * w, rounded as rms_norm_bf16 rounds. */
+static inline void norm_row(const baton_model *m, float *x, const float *delta, const float *w,
+                            float *out, int64_t n) {
+    if (!m->act_bf16) {
+        baton_rms_norm_row(x, delta, w, out, n, m->eps);
+        return;
+    }
+    if (delta != 0) {
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) x[i] += delta[i];
+        baton_round_bf16_row(x, n);
+    }
+    const float inv = baton_inv_rms(x, n, m->eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv;
+    baton_round_bf16_row(out, n);
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] *= w[i];
+    baton_round_bf16_row(out, n);
+}
+
+/* Row t of a gemv's input: permuted float32 (xp), or, for bf16 activations
+ * in a VDPBF16PS build, the row's bf16 values (xb, exact: the row holds bf16
+ * values), zero-padded. */
+static inline void gemv_input(const baton_model *m, const float *x, float *xp, uint16_t *xb,
+                              int64_t K) {
+#ifdef BATON_GEMV_DP
+    if (m->act_bf16) {
+        const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+        baton_store_bf16(x, xb, K);
+        for (int64_t k = K; k < kp; k++) xb[k] = 0;
+        return;
+    }
+#endif
+    (void)m;
+    (void)xb;
+    baton_gemv_permute(x, xp, K);
+}
+
+/* y [M, N] = rows @ W^T (+ bias), from gemv_input's rows; worksharing. */
+static inline void gemv(const baton_model *m, const float *xp, const uint16_t *xb,
+                        const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
+                        int64_t K) {
+#ifdef BATON_GEMV_DP
+    if (m->act_bf16) {
+        baton_gemv_tiles_bf16x(xb, w, bias, y, M, N, K);
+        return;
+    }
+#endif
+    (void)xb;
+    baton_gemv_tiles(xp, w, bias, y, M, N, K, (int)m->act_bf16);
+}
 
 int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                       const int64_t *positions, const int64_t *slot_mapping,
@@ -66,17 +131,21 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
     /* Scratch for the step, one allocation. */
     const int64_t n_xp = M * max64(kp_h, max64(kp_q, kp_i));
     const int64_t n_x = M * max64(Hd, Q);
-    const int64_t total = n_xp + n_x + M * NQKV + 2 * M * Q + M * Hd + 3 * M * I;
+    /* xb (bf16 input rows) takes half of n_xp floats */
+    const int64_t total = 2 * n_xp + n_x + M * NQKV + 2 * M * Q + M * Hd + 3 * M * I;
     float *buf = (float *)malloc(sizeof(float) * total);
     if (buf == NULL) return 2;
     float *xp = buf, *x = xp + n_xp, *qkv = x + n_x, *q = qkv + M * NQKV, *attn = q + M * Q;
     float *delta = attn + M * Q, *gu = delta + M * Hd, *act = gu + 2 * M * I;
+    uint16_t *xb = (uint16_t *)(act + M * I);
+    const int rb = (int)m->act_bf16;
     int failed = 0;
 
     #pragma omp parallel num_threads(num_threads)
     {
         float *scores = (float *)malloc(sizeof(float) * H * (max_ctx > 0 ? max_ctx : 1));
-        float *acc = (float *)malloc(sizeof(float) * H * D);
+        float *acc = (float *)malloc(sizeof(float) * (H * D + 2 * D));
+        float *rope = acc + H * D;  /* a position's cos and sin rows, widened (act_bf16) */
         int ok = scores != NULL && acc != NULL;
         if (!ok) {
             #pragma omp atomic write
@@ -88,18 +157,29 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
 
             #pragma omp for
             for (int64_t t = 0; t < M; t++) {
-                baton_rms_norm_row(hidden + t * Hd, l ? delta + t * Hd : 0, ly->input_norm,
-                                   x + t * Hd, Hd, eps);
-                baton_gemv_permute(x + t * Hd, xp + t * kp_h, Hd);
+                norm_row(m, hidden + t * Hd, l ? delta + t * Hd : 0, ly->input_norm,
+                         x + t * Hd, Hd);
+                gemv_input(m, x + t * Hd, xp + t * kp_h, xb + t * kp_h, Hd);
             }
-            baton_gemv_tiles(xp, ly->qkv_w, ly->qkv_bias, qkv, M, NQKV, Hd);
+            gemv(m, xp, xb, ly->qkv_w, ly->qkv_bias, qkv, M, NQKV, Hd);
 
             #pragma omp for
-            for (int64_t t = 0; t < M; t++)
-                baton_qkv_rope_store_row(qkv + t * NQKV, H, KVH, D, positions[t],
-                                         m->cos_table, m->sin_table, ly->q_norm, ly->k_norm,
-                                         eps, slot_mapping[t], ly->k_cache, ly->v_cache,
-                                         (int)m->kv_bf16, q + t * Q);
+            for (int64_t t = 0; t < M; t++) {
+                if (!ok) continue;
+                const float *cs = (const float *)m->cos_table, *sn = (const float *)m->sin_table;
+                int64_t pos = positions[t];
+                if (rb) {
+                    baton_load_bf16((const uint16_t *)m->cos_table + pos * D, rope, D);
+                    baton_load_bf16((const uint16_t *)m->sin_table + pos * D, rope + D, D);
+                    cs = rope;
+                    sn = rope + D;
+                    pos = 0;
+                }
+                baton_qkv_rope_store_row(qkv + t * NQKV, H, KVH, D, pos, cs, sn, ly->q_norm,
+                                         ly->k_norm, eps, slot_mapping[t], ly->k_cache,
+                                         ly->v_cache, (int)m->kv_bf16, q + t * Q);
+                if (rb) baton_round_bf16_row(q + t * Q, Q);
+            }
 
             /* One task per (row, kv head): with one row, every thread works. */
             #pragma omp for schedule(dynamic, 1)
@@ -113,28 +193,31 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
             }
 
             #pragma omp for
-            for (int64_t t = 0; t < M; t++) baton_gemv_permute(attn + t * Q, xp + t * kp_q, Q);
-            baton_gemv_tiles(xp, ly->o_w, 0, delta, M, Hd, Q);
+            for (int64_t t = 0; t < M; t++) {
+                if (rb) baton_round_bf16_row(attn + t * Q, Q);
+                gemv_input(m, attn + t * Q, xp + t * kp_q, xb + t * kp_q, Q);
+            }
+            gemv(m, xp, xb, ly->o_w, 0, delta, M, Hd, Q);
 
             #pragma omp for
             for (int64_t t = 0; t < M; t++) {
-                baton_rms_norm_row(hidden + t * Hd, delta + t * Hd, ly->post_norm, x + t * Hd,
-                                   Hd, eps);
-                baton_gemv_permute(x + t * Hd, xp + t * kp_h, Hd);
+                norm_row(m, hidden + t * Hd, delta + t * Hd, ly->post_norm, x + t * Hd, Hd);
+                gemv_input(m, x + t * Hd, xp + t * kp_h, xb + t * kp_h, Hd);
             }
-            baton_gemv_tiles(xp, ly->gate_up_w, 0, gu, M, 2 * I, Hd);
+            gemv(m, xp, xb, ly->gate_up_w, 0, gu, M, 2 * I, Hd);
 
             #pragma omp for
             for (int64_t t = 0; t < M; t++) {
                 baton_silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
-                baton_gemv_permute(act + t * I, xp + t * kp_i, I);
+                if (rb) baton_round_bf16_row(act + t * I, I);
+                gemv_input(m, act + t * I, xp + t * kp_i, xb + t * kp_i, I);
             }
-            baton_gemv_tiles(xp, ly->down_w, 0, delta, M, Hd, I);
+            gemv(m, xp, xb, ly->down_w, 0, delta, M, Hd, I);
         }
         #pragma omp for
         for (int64_t t = 0; t < M; t++)
-            baton_rms_norm_row(hidden + t * Hd, m->num_layers ? delta + t * Hd : 0,
-                               m->final_norm, out + t * Hd, Hd, eps);
+            norm_row(m, hidden + t * Hd, m->num_layers ? delta + t * Hd : 0, m->final_norm,
+                     out + t * Hd, Hd);
         free(scores);
         free(acc);
     }

@@ -12,6 +12,13 @@
  *
  *   x [M, K] float32, W tiled bfloat16 bits, bias [N] float32 or NULL,
  *   y [M, N] float32; 1 <= M <= BATON_GEMV_MAX_ROWS.
+ *
+ * With bfloat16 activations (CPUs with native bf16 run the model in bf16)
+ * x holds bf16 values and y is rounded to bf16, as oneDNN's bf16 linear
+ * rounds its output. Builds for AVX512_BF16 then multiply the bf16 pairs
+ * with VDPBF16PS straight from the tile (each product of two bf16 values is
+ * exact in float32, so this is the float32 kernel's arithmetic in another
+ * summation order); other builds widen x to float32 and run the float32 tiles.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -81,6 +88,61 @@ static inline void tile_two_rows(const float *xp, int64_t kp, const uint16_t *ti
 }
 #endif
 
+#ifdef BATON_GEMV_DP
+/* M bf16 input rows (natural order, zero-padded to kp) against one tile with
+ * VDPBF16PS: a 512-bit load holds two tile rows of 16 columns, and each
+ * 32-bit lane multiplies one column pair of one row by the same pair of x
+ * (x's 16 columns broadcast to both halves). Four accumulators per input
+ * row cover the tile's eight rows; at most 16 for four rows, with the
+ * weights and x in registers beside them. out[r * M + m]. */
+static inline __attribute__((always_inline)) void tile_dp(
+        const uint16_t *xb, int64_t kp, const uint16_t *tile, int64_t kb, const int M,
+        float *out) {
+    __m512 acc[BATON_GEMV_MAX_ROWS][4];
+    for (int m = 0; m < M; m++)
+        for (int p = 0; p < 4; p++) acc[m][p] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kb; j++) {
+        const uint16_t *blk = tile + j * 128;
+        __m512i w[4];
+        for (int p = 0; p < 4; p++) w[p] = _mm512_loadu_si512((const void *)(blk + 32 * p));
+        for (int m = 0; m < M; m++) {
+            const __m512i xv = _mm512_broadcast_i32x8(
+                _mm256_loadu_si256((const __m256i *)(xb + m * kp + 16 * j)));
+            for (int p = 0; p < 4; p++)
+                acc[m][p] = _mm512_dpbf16_ps(acc[m][p], (__m512bh)w[p], (__m512bh)xv);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int p = 0; p < 4; p++) {
+            out[(2 * p) * M + m] = baton_hsum256(_mm512_castps512_ps256(acc[m][p]));
+            out[(2 * p + 1) * M + m] = baton_hsum256(_mm512_extractf32x8_ps(acc[m][p], 1));
+        }
+}
+
+void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
+                            int64_t M, int64_t N, int64_t K) {
+    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+    const int64_t kb = kp / BATON_GEMV_TILE_COLS;
+    const int64_t tiles = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < tiles; g++) {
+        const uint16_t *tile = w + g * 8 * kp;
+        float out[8 * BATON_GEMV_MAX_ROWS];
+        switch (M) {  /* constant M: the accumulators stay in registers */
+        case 1: tile_dp(xb, kp, tile, kb, 1, out); break;
+        case 2: tile_dp(xb, kp, tile, kb, 2, out); break;
+        case 3: tile_dp(xb, kp, tile, kb, 3, out); break;
+        default: tile_dp(xb, kp, tile, kb, 4, out); break;
+        }
+        for (int64_t r = 0; r < 8 && g * 8 + r < N; r++) {
+            const int64_t n = g * 8 + r;
+            const float b = bias ? bias[n] : 0.0f;
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = baton_round_bf16(out[r * M + m] + b);
+        }
+    }
+}
+#endif
+
 #ifndef BATON_GEMV_AVX2
 /* Portable fallback (compilers without AVX2/FMA for this CPU). */
 static void tile_generic(const float *xp, int64_t kp, const uint16_t *tile, int64_t kb,
@@ -101,7 +163,7 @@ static void tile_generic(const float *xp, int64_t kp, const uint16_t *tile, int6
 #endif
 
 void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, float *y,
-                      int64_t M, int64_t N, int64_t K) {
+                      int64_t M, int64_t N, int64_t K, int round_bf16) {
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     const int64_t kb = kp / BATON_GEMV_TILE_COLS;
     const int64_t tiles = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
@@ -139,7 +201,10 @@ void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, flo
         for (int64_t r = 0; r < 8 && g * 8 + r < N; r++) {
             const int64_t n = g * 8 + r;
             const float b = bias ? bias[n] : 0.0f;
-            for (int64_t m = 0; m < M; m++) y[m * N + n] = out[r * M + m] + b;
+            for (int64_t m = 0; m < M; m++) {
+                const float v = out[r * M + m] + b;
+                y[m * N + n] = round_bf16 ? baton_round_bf16(v) : v;
+            }
         }
     }
 }
@@ -152,7 +217,39 @@ int baton_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float 
     if (xp == NULL) return 2;
     for (int64_t m = 0; m < M; m++) baton_gemv_permute(x + m * K, xp + m * kp, K);
     #pragma omp parallel num_threads(num_threads)
-    baton_gemv_tiles(xp, w, bias, y, M, N, K);
+    baton_gemv_tiles(xp, w, bias, y, M, N, K, 0);
     free(xp);
+    return 0;
+}
+
+/* The gemv of bf16 rows: x [M, K], bias [N] (or NULL) and y [M, N] bf16. */
+int baton_gemv_bf16_act16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                          uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M < 1 || M > BATON_GEMV_MAX_ROWS) return 1;
+    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+    /* the input rows (bf16 or permuted float32), one widened row, the
+     * float32 bias and the float32 result */
+    float *buf = (float *)malloc(sizeof(float) * (M * kp + kp + N + M * N));
+    if (buf == NULL) return 2;
+    float *row = buf + M * kp, *bf = row + kp, *yf = bf + N;
+    if (bias != 0) baton_load_bf16(bias, bf, N);
+#ifdef BATON_GEMV_DP
+    uint16_t *xb = (uint16_t *)buf;
+    for (int64_t m = 0; m < M; m++) {
+        memcpy(xb + m * kp, x + m * K, sizeof(uint16_t) * K);
+        memset(xb + m * kp + K, 0, sizeof(uint16_t) * (kp - K));
+    }
+    #pragma omp parallel num_threads(num_threads)
+    baton_gemv_tiles_bf16x(xb, w, bias ? bf : 0, yf, M, N, K);
+#else
+    for (int64_t m = 0; m < M; m++) {
+        baton_load_bf16(x + m * K, row, K);
+        baton_gemv_permute(row, buf + m * kp, K);
+    }
+    #pragma omp parallel num_threads(num_threads)
+    baton_gemv_tiles(buf, w, bias ? bf : 0, yf, M, N, K, 0);
+#endif
+    baton_store_bf16(yf, y, M * N);
+    free(buf);
     return 0;
 }

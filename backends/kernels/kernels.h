@@ -30,6 +30,8 @@
 #define baton_attention_task BATON_FN(baton_attention_task)
 #define baton_gemv_bf16 BATON_FN(baton_gemv_bf16)
 #define baton_gemv_tiles BATON_FN(baton_gemv_tiles)
+#define baton_gemv_tiles_bf16x BATON_FN(baton_gemv_tiles_bf16x)
+#define baton_gemv_bf16_act16 BATON_FN(baton_gemv_bf16_act16)
 #define baton_gemv_bf16_max_rows BATON_FN(baton_gemv_bf16_max_rows)
 #define baton_kernels_avx2 BATON_FN(baton_kernels_avx2)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
@@ -41,6 +43,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define BATON_AVX2 1
+#endif
+/* bf16 pair dot products (VDPBF16PS) for the gemv of bf16 activations */
+#if defined(BATON_AVX2) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define BATON_GEMV_DP 1
 #endif
 
 #ifdef BATON_AVX2
@@ -92,6 +99,12 @@ static inline uint16_t baton_f32_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* The float32 value nearest x that a bfloat16 holds (what storing x in a
+ * bf16 tensor and reading it back gives). */
+static inline float baton_round_bf16(float x) {
+    return baton_bf16_to_f32(baton_f32_to_bf16(x));
+}
+
 /* dst[i] = bf16(x[i]), rounded to nearest even (NaN stays NaN). */
 static inline void baton_store_bf16(const float *x, uint16_t *dst, int64_t n) {
     int64_t i = 0;
@@ -126,6 +139,20 @@ static inline void baton_load_bf16(const uint16_t *src, float *dst, int64_t n) {
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
 #endif
     for (; i < n; i++) dst[i] = baton_bf16_to_f32(src[i]);
+}
+
+/* x[i] = baton_round_bf16(x[i]): a float32 row kept to bf16 values, as the
+ * bf16 tensors of a model in bf16 hold it. */
+static inline void baton_round_bf16_row(float *x, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+        _mm512_storeu_ps(x + i, _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+#endif
+    for (; i < n; i++) x[i] = baton_round_bf16(x[i]);
 }
 
 /* sum(x[i] * y[i]) with y in bfloat16 */
@@ -268,9 +295,17 @@ static inline void baton_gemv_permute(const float *x, float *xp, int64_t K) {
 }
 
 /* y [M, N] = x @ W^T (+ bias) with xp [M, round_up(K, 16)] permuted rows and
- * W tiled. Worksharing loop: call from every thread of a parallel region
- * (or outside one, serially). Ends with the loop's barrier. */
+ * W tiled; each y rounded to a bf16 value when round_bf16. Worksharing loop:
+ * call from every thread of a parallel region (or outside one, serially).
+ * Ends with the loop's barrier. */
 void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, float *y,
-                      int64_t M, int64_t N, int64_t K);
+                      int64_t M, int64_t N, int64_t K, int round_bf16);
+
+#ifdef BATON_GEMV_DP
+/* The same for bf16 input rows xb [M, round_up(K, 16)] in natural column
+ * order (zero-padded), with VDPBF16PS; y rounded to bf16 values. */
+void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
+                            int64_t M, int64_t N, int64_t K);
+#endif
 
 #endif

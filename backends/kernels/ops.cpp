@@ -43,6 +43,8 @@ extern "C" {
                                                int);                                        \
   int baton_gemv_bf16_##kind(const float*, const uint16_t*, const float*, float*, int64_t,  \
                              int64_t, int64_t, int);                                        \
+  int baton_gemv_bf16_act16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
+                                   uint16_t*, int64_t, int64_t, int64_t, int);              \
   int baton_gemv_bf16_max_rows_##kind(void);
 BATON_DECLARE(portable)
 #ifndef BATON_PORTABLE_ONLY
@@ -78,6 +80,8 @@ decltype(&baton_paged_decode_attention_f32_portable) const attention_f32[] =
 decltype(&baton_paged_decode_attention_bf16_portable) const attention_bf16[] =
     BATON_TABLE(baton_paged_decode_attention_bf16);
 decltype(&baton_gemv_bf16_portable) const gemv_bf16[] = BATON_TABLE(baton_gemv_bf16);
+decltype(&baton_gemv_bf16_act16_portable) const gemv_bf16_act16[] =
+    BATON_TABLE(baton_gemv_bf16_act16);
 decltype(&baton_gemv_bf16_max_rows_portable) const gemv_max_rows[] =
     BATON_TABLE(baton_gemv_bf16_max_rows);
 
@@ -274,11 +278,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// x float32: y float32. x bfloat16 (a model run in bf16): y bfloat16, rounded
+// once from the float32 sum, as oneDNN's bf16 linear rounds.
 at::Tensor gemv_bf16_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t out_features,
                         const std::optional<at::Tensor>& bias, int64_t kind) {
   const int k = check_kind(kind);
   check_cpu(x, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "baton: x must be float32 [M, K]");
+  const bool act16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == at::kFloat || act16) && x.dim() == 2,
+              "baton: x must be float32 or bfloat16 [M, K]");
   const int64_t m = x.size(0), kk = x.size(1);
   TORCH_CHECK(m >= 1 && m <= gemv_max_rows[k](), "baton: gemv_bf16 takes 1 to ",
               gemv_max_rows[k](), " rows, got ", m);
@@ -292,10 +300,18 @@ at::Tensor gemv_bf16_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t 
     TORCH_CHECK(bias->numel() == out_features, "baton: bias must hold out_features values");
   }
   at::Tensor y = at::empty({m, out_features}, x.options());
-  check_rc(gemv_bf16[k](x.data_ptr<float>(), static_cast<const uint16_t*>(w_tiled.data_ptr()),
-                        bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), m,
-                        out_features, kk, threads()),
-           "gemv_bf16");
+  const auto* w = static_cast<const uint16_t*>(w_tiled.data_ptr());
+  int rc;
+  if (act16) {
+    rc = gemv_bf16_act16[k](static_cast<const uint16_t*>(x.data_ptr()), w,
+                            bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+                            static_cast<uint16_t*>(y.data_ptr()), m, out_features, kk,
+                            threads());
+  } else {
+    rc = gemv_bf16[k](x.data_ptr<float>(), w, bias ? bias->data_ptr<float>() : nullptr,
+                      y.data_ptr<float>(), m, out_features, kk, threads());
+  }
+  check_rc(rc, "gemv_bf16");
   return y;
 }
 
