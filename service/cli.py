@@ -109,6 +109,16 @@ def _optional_int(text: str) -> int | None:
     return None if text in ("", "none") else int(text)
 
 
+def _optional_path(text: str) -> str | None:
+    return None if text.strip().lower() in ("", "none", "off") else os.path.expanduser(text)
+
+
+def _default_conversion_cache() -> str:
+    # backends/loader/conversion_cache.py; computed here so that --help needs no torch.
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "baton", "converted")
+
+
 def _seconds_or_none(text: str) -> float | None:
     return None if text in ("", "0", "none") else float(text)
 
@@ -171,6 +181,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "a folder holding a generation_config.json")
     _flag(parser, "--chat-template", None, "a Jinja chat template (a file, or the template "
           "itself) to use instead of the model's own")
+    _flag(parser, "--conversion-cache", _default_conversion_cache(), "a folder where a GGUF "
+          "model's conversion to the serving dtype is kept, so later starts read it instead "
+          "of converting again (one entry per file and dtype, files up to 4 GiB converted); "
+          "none: convert at every start", convert=_optional_path)
     from service.scale_flags import add_parallel_flags
     add_parallel_flags(parser)
 
@@ -199,7 +213,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind,
         revision=ns.revision, download_dir=ns.download_dir,
         generation_config=ns.generation_config, parallel=_parallel_config(ns),
-        chat_template=ns.chat_template, progress=True, **overrides)
+        chat_template=ns.chat_template, conversion_cache=ns.conversion_cache, progress=True,
+        **overrides)
 
 
 def _parallel_config(ns: argparse.Namespace):

@@ -72,6 +72,8 @@ class EngineArgs:
     # Tensor parallelism: ranks, nodes, rendezvous (docs/scaling.md)
     parallel: ParallelConfig = ParallelConfig()
     chat_template: str | None = None     # a Jinja file or string replacing the model's
+    # Folder keeping GGUF conversions (backends/loader/conversion_cache.py); None: none.
+    conversion_cache: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

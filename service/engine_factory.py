@@ -65,7 +65,8 @@ def read_chat_template(value: str) -> str:
 def _load(args: EngineArgs, path, quantization: QuantizationSpec, shard=None) -> LoadedModel:
     dtype = DTYPES[args.dtype]
     if quantization.mode != "gguf":
-        return load_model(path, dtype=dtype, progress=args.progress, shard=shard)
+        return load_model(path, dtype=dtype, progress=args.progress, shard=shard,
+                          conversion_cache=args.conversion_cache)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise QuantizationError(
             f"--quantization gguf keeps a GGUF file's quantized blocks, but {str(path)!r} "

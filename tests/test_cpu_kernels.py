@@ -658,3 +658,17 @@ def test_every_kernel_source_ships_in_the_package():
         p.rsplit("/", 1)[-1] for p in sources}
     for src in sources:
         assert any(fnmatch.fnmatch(src, pat) for pat in patterns), src
+
+
+def test_include_paths_match_cpp_extension_without_importing_it():
+    """The library's cache key is computed at every start from torch's include
+    paths; Baton derives them itself (importing cpp_extension cost ~0.3 s) and
+    they must stay what cpp_extension says, or a stale library could load."""
+    from torch.utils import cpp_extension
+    assert native.torch_include_paths() == cpp_extension.include_paths()
+    probe = ("import sys, backends.kernels as k; k.library_path(); "
+             "print('torch.utils.cpp_extension' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

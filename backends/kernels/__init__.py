@@ -97,13 +97,21 @@ def _compilers() -> tuple[str, str]:
     return cc, cxx
 
 
+def torch_include_paths() -> list[str]:
+    """torch.utils.cpp_extension.include_paths() for CPU code, without
+    importing cpp_extension (and setuptools with it): that import cost about
+    0.3 s of every start, only to compute the library's cache key.
+    tests/test_cpu_kernels.py checks the two agree."""
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    return [include, os.path.join(include, "torch", "csrc", "api", "include")]
+
+
 def _torch_flags() -> tuple[list[str], list[str]]:
     """Compile and link flags for code that includes torch's headers."""
-    from torch.utils import cpp_extension
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     compile_flags = ["-O2", "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                     "-w", *(f"-I{p}" for p in cpp_extension.include_paths())]
+                     "-w", *(f"-I{p}" for p in torch_include_paths())]
     if not _x86():
         compile_flags.append("-DBATON_PORTABLE_ONLY")
     link_flags = [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]

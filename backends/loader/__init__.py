@@ -38,19 +38,22 @@ def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
                progress: bool = False, revision: str | None = None,
-               download_dir: str | None = None, shard=None) -> LoadedModel:
+               download_dir: str | None = None, shard=None,
+               conversion_cache: str | os.PathLike | None = None) -> LoadedModel:
     """``shard``: for one tensor-parallel rank, a function of the model's
     config returning its CheckpointShard (backends/parallel/sharding.py);
     the weights are then only that rank's part: read as slices from
     safetensors files; a GGUF file is dequantized whole, then each tensor is
-    cut to its part and the rest dropped before the model is built."""
+    cut to its part and the rest dropped before the model is built.
+
+    ``conversion_cache``: a folder where a GGUF's conversion is kept and
+    found again (backends/loader/conversion_cache.py); None: convert every time."""
     path = resolve_model(model, revision, download_dir, progress)
     if path.is_dir():
         from backends.loader.hf import load_hf_folder
         return load_hf_folder(path, dtype=dtype, progress=progress, shard=shard)
     if path.is_file() and path.suffix == ".gguf":
-        from backends.loader.gguf import load_gguf
-        loaded = load_gguf(path, dtype=dtype, progress=progress)
+        loaded = _load_gguf(path, dtype, progress, conversion_cache)
         if shard is not None:
             shard(loaded.config).take_all(loaded.weights)
         return loaded
@@ -60,3 +63,17 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype = torch.float
             f"org/name)")
     raise ModelLoadError(
         f"model path {str(path)!r} is neither a Hugging Face model folder nor a .gguf file")
+
+
+def _load_gguf(path: pathlib.Path, dtype: torch.dtype, progress: bool,
+               conversion_cache: str | os.PathLike | None) -> LoadedModel:
+    if conversion_cache is None:
+        from backends.loader.gguf import load_gguf
+        return load_gguf(path, dtype=dtype, progress=progress)
+    from backends.loader import conversion_cache as cache
+    loaded = cache.load_cached(pathlib.Path(conversion_cache), path, dtype)
+    if loaded is None:  # gguf-py is imported only when there is something to convert
+        from backends.loader.gguf import load_gguf
+        loaded = load_gguf(path, dtype=dtype, progress=progress)
+        cache.store(pathlib.Path(conversion_cache), path, dtype, loaded)
+    return loaded
