@@ -30,6 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime
 
 PROMPT = "The capital of France is"
 
@@ -81,15 +82,24 @@ def _model_id(base: str) -> str | None:
 _SECONDS = re.compile(r"([\d.]+)s\b")
 
 
-def _phases(log_text: str) -> dict[str, float]:
-    """Seconds Baton's JSON log lines give for its load phases."""
+def _phases(log_text: str, started_at: float) -> dict[str, float]:
+    """Seconds Baton's JSON log lines give for its load phases, and when it
+    began listening (its "loading" line, seconds after ``started_at``, a
+    time.time(): interpreter start and imports)."""
     phases = {}
     for line in log_text.splitlines():
         try:
-            event = json.loads(line).get("event", "")
-        except ValueError:
+            record = json.loads(line)
+            event = record.get("event", "")
+        except (ValueError, AttributeError):
             continue
-        for key, prefix in (("model loaded", "model loaded:"), ("warm-up", "warm-up:")):
+        if event == "loading" and "timestamp" in record:
+            at = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00"))
+            phases["listening"] = at.timestamp() - started_at
+        for key, prefix in (("model loaded", "model loaded:"), ("warm-up", "warm-up:"),
+                            ("cache read", "conversion cache: ")):
+            if key == "cache read" and " read from " not in event:
+                continue
             if event.startswith(prefix):
                 found = _SECONDS.findall(event)
                 if found:
@@ -102,7 +112,7 @@ def measure(command: str, ready_path: str, timeout: float) -> Run:
     argv = shlex.split(command.replace("{port}", str(port)))
     env = {**os.environ, "BATON_LOG_FORMAT": "json"}
     with tempfile.TemporaryFile("w+") as log:
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         base = f"http://127.0.0.1:{port}"
@@ -127,7 +137,7 @@ def measure(command: str, ready_path: str, timeout: float) -> Run:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.seek(0)
-        return Run(ready, first, second, _phases(log.read()))
+        return Run(ready, first, second, _phases(log.read(), started_at))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,9 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ready-path", default="/health")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--prime", action="append", default=[], metavar="NAME",
+                    help="start NAME once, unmeasured, before the rounds (fills on-disk caches "
+                         "such as Baton's conversion cache, so every round sees them warm)")
     args = ap.parse_args(argv)
     servers = [s.split("=", 1) for s in args.start]
     results: dict[str, list[Run]] = {name: [] for name, _ in servers}
+    for name, command in servers:
+        if name in args.prime:
+            run = measure(command, args.ready_path, args.timeout)
+            print(f"prime {name}: ready {run.ready_s:.2f}s (not counted), {run.phases}",
+                  flush=True)
     for round_ in range(args.rounds):
         for name, command in servers:
             run = measure(command, args.ready_path, args.timeout)
@@ -148,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{run.first_request_s * 1000:.0f} ms, second {run.second_request_s * 1000:.0f}"
                   f" ms, {run.phases}", flush=True)
     print("\n| server | start to ready (s) | first request (ms) | second request (ms) "
-          "| model loaded (s) | warm-up (s) |")
-    print("|---|---|---|---|---|---|")
+          "| listening (s) | model loaded (s) | warm-up (s) |")
+    print("|---|---|---|---|---|---|---|")
     for name, runs in results.items():
         def med(values):
             values = [v for v in values if v is not None]
@@ -157,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {med(r.ready_s for r in runs):.2f} | "
               f"{med(r.first_request_s for r in runs) * 1000:.0f} | "
               f"{med(r.second_request_s for r in runs) * 1000:.0f} | "
+              f"{med(r.phases.get('listening') for r in runs):.2f} | "
               f"{med(r.phases.get('model loaded') for r in runs):.2f} | "
               f"{med(r.phases.get('warm-up') for r in runs):.2f} |")
+    for name, runs in results.items():
+        print(f"{name}: slowest round ready in {max(r.ready_s for r in runs):.2f}s")
     return 0
 
 
