@@ -662,7 +662,7 @@ def test_every_kernel_source_ships_in_the_package():
 
 def test_include_paths_match_cpp_extension_without_importing_it():
     """The library's cache key is computed at every start from torch's include
-    paths; Baton derives them itself (importing cpp_extension cost ~0.3 s) and
+    paths; Baton derives them itself (importing cpp_extension costs time) and
     they must stay what cpp_extension says, or a stale library could load."""
     from torch.utils import cpp_extension
     assert native.torch_include_paths() == cpp_extension.include_paths()

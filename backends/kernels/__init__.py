@@ -99,8 +99,9 @@ def _compilers() -> tuple[str, str]:
 
 def torch_include_paths() -> list[str]:
     """torch.utils.cpp_extension.include_paths() for CPU code, without
-    importing cpp_extension (and setuptools with it): that import cost about
-    0.3 s of every start, only to compute the library's cache key.
+    importing cpp_extension (and setuptools with it) at every start only to
+    compute the library's cache key (0.06 s on a quiet 2-core VM, 0.3 s on a
+    busy one).
     tests/test_cpu_kernels.py checks the two agree."""
     include = os.path.join(os.path.dirname(torch.__file__), "include")
     return [include, os.path.join(include, "torch", "csrc", "api", "include")]
