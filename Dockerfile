@@ -14,6 +14,8 @@
 # /cache/huggingface volume, HF_HOME; HF_TOKEN for gated repositories):
 #   docker run -p 127.0.0.1:8000:8000 -v "$PWD/models:/models:ro" \
 #     -v baton-hf:/cache/huggingface -e BATON_MODEL=/models/Qwen2.5-0.5B-Instruct baton:cpu
+# The same volume keeps GGUF files' conversions (BATON_CONVERSION_CACHE), so a
+# new container starts from them instead of converting again.
 # The API key: BATON_API_KEY, or a secret file (BATON_API_KEY_FILE, by default
 # /run/secrets/baton_api_key when present). Every `baton serve` flag has a
 # BATON_* variable, and the standard OTEL_* variables configure tracing
@@ -64,7 +66,8 @@ COPY deploy/docker-entrypoint.sh /usr/local/bin/baton-entrypoint
 RUN useradd --create-home --uid 10001 baton \
  && mkdir -p /models /cache/huggingface && chown baton:baton /cache/huggingface
 USER baton
-ENV MALLOC_ARENA_MAX=2 BATON_HOST=0.0.0.0 BATON_PORT=8000 HF_HOME=/cache/huggingface
+ENV MALLOC_ARENA_MAX=2 BATON_HOST=0.0.0.0 BATON_PORT=8000 HF_HOME=/cache/huggingface \
+    BATON_CONVERSION_CACHE=/cache/huggingface/baton-converted
 VOLUME ["/cache/huggingface"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
@@ -93,7 +96,8 @@ COPY deploy/docker-entrypoint.sh /usr/local/bin/baton-entrypoint
 RUN useradd --create-home --uid 10001 baton \
  && mkdir -p /models /cache/huggingface && chown baton:baton /cache/huggingface
 USER baton
-ENV MALLOC_ARENA_MAX=2 BATON_HOST=0.0.0.0 BATON_PORT=8000 BATON_DEVICE=cuda HF_HOME=/cache/huggingface
+ENV MALLOC_ARENA_MAX=2 BATON_HOST=0.0.0.0 BATON_PORT=8000 BATON_DEVICE=cuda HF_HOME=/cache/huggingface \
+    BATON_CONVERSION_CACHE=/cache/huggingface/baton-converted
 VOLUME ["/cache/huggingface"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \

@@ -182,6 +182,8 @@ def test_models_and_the_hub_cache_are_volumes(compose):
     for name in ("cpu", "cuda"):
         envs = " ".join(args for op, args in stages[name] if op == "ENV")
         assert "HF_HOME=/cache/huggingface" in envs
+        # GGUF conversions outlive the container too (backends/loader/conversion_cache.py)
+        assert "BATON_CONVERSION_CACHE=/cache/huggingface/" in envs
         assert any(op == "VOLUME" and "/cache/huggingface" in args for op, args in stages[name])
     assert (ROOT / "models" / "README.md").is_file()
     assert "models" in _dockerignore()
