@@ -159,7 +159,15 @@ def _first_line(message: str) -> str:
 
 class BitmaskFiller:
     """Computes one step's bitmasks on a helper thread, so that the work
-    overlaps the forward pass (llguidance drops the GIL while it computes)."""
+    overlaps the forward pass (llguidance drops the GIL while it computes).
+
+    Where the forward pass uses every core (2 torch threads on 2 cores) the
+    helper thread slows it by about as much as filling the masks before it
+    would take (~3 ms for 32 rows of a records schema; both measured with
+    benchmarks/profile_structured_step.py), and llguidance's parallel
+    executor was no faster than this loop there; where a core is spare, or
+    the forward runs on a GPU, the overlap hides the work.
+    """
 
     def __init__(self, vocab_size: int) -> None:
         self.width = (vocab_size + 31) // 32

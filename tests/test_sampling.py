@@ -232,3 +232,26 @@ def test_bad_requests_rejected_before_any_compute(tiny_llama_dir, monkeypatch):
         core.add_request("stopid", [5], SamplingParams(stop_token_ids=(-1,)))
     assert not core.has_unfinished() and calls == []
     assert_all_free(core)
+
+
+@pytest.mark.parametrize("vocab", [96, 100, 130])
+def test_token_bitmask_masks_exactly_its_rows_and_bits(vocab):
+    """Bit j of word w allows token 32 * w + j on the listed rows only;
+    tokens past the bitmask's width are disallowed; other rows are untouched."""
+    from backends.sampler import apply_token_bitmask
+    gen = torch.Generator().manual_seed(7)
+    width = 3                                     # 96 tokens' worth of bits
+    logits = torch.randn(5, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, width), dtype=torch.int32, generator=gen)
+    bitmask[1, 0] = 0                             # a whole word disallowed
+    bitmask[1, 1] = -1                            # a whole word allowed
+    rows = torch.tensor([3, 1])
+    out = logits.clone()
+    apply_token_bitmask(out, rows, bitmask)
+    for i, row in enumerate(rows.tolist()):
+        for t in range(vocab):
+            word = int(bitmask[i, t // 32]) if t < 32 * width else 0
+            allowed = (word >> (t % 32)) & 1
+            assert out[row, t].item() == (logits[row, t].item() if allowed else float("-inf"))
+    for row in (0, 2, 4):
+        assert torch.equal(out[row], logits[row])
