@@ -7,7 +7,7 @@ Why llguidance (not xgrammar): no dependencies (xgrammar pulls in triton and
 transformers), schema compiles 4-6x faster on SmolLM2's vocabulary, and Lark
 grammars embed JSON schemas (``%json{...}``), which tool calling needs. Its
 per-token mask (~28 us median here; xgrammar's ~2.5 us) is far below a
-decode step and computed while the forward pass runs.
+decode step (``BitmaskFiller`` says where it is computed).
 docs/benchmarks.md has the figures (``benchmarks/grammar_engines.py``).
 
 Compiling happens at admission (the gateway runs it off the event loop) and
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from backends.errors import InvalidRequestError
@@ -158,25 +159,33 @@ def _first_line(message: str) -> str:
 
 
 class BitmaskFiller:
-    """Computes one step's bitmasks on a helper thread, so that the work
-    overlaps the forward pass (llguidance drops the GIL while it computes).
+    """Computes one step's bitmasks, on a helper thread that overlaps the
+    forward pass where that is free, else at once on the calling thread.
 
-    Where the forward pass uses every core (2 torch threads on 2 cores) the
-    helper thread slows it by about as much as filling the masks before it
-    would take (~3 ms for 32 rows of a records schema; both measured with
-    benchmarks/profile_structured_step.py), and llguidance's parallel
-    executor was no faster than this loop there; where a core is spare, or
-    the forward runs on a GPU, the overlap hides the work.
+    llguidance drops the GIL while it computes, so a helper thread runs
+    beside the forward pass; that only pays where a core is spare (or the
+    forward runs on a GPU). Where the forward uses every core (2 torch
+    threads on 2 cores), the helper thread preempts a torch thread that the
+    others then wait for at their next barrier: it slowed the forward by
+    about as much as filling the masks beforehand costs (~3 ms for 32 rows
+    of a records schema; benchmarks/profile_structured_step.py), and in the
+    server, where the event loop is a third busy thread, by more
+    (docs/benchmarks.md, "Structured outputs"). llguidance's parallel
+    executor was no faster than this loop there either.
     """
 
     def __init__(self, vocab_size: int) -> None:
         self.width = (vocab_size + 31) // 32
         self._pool = None
 
-    def start(self, matchers: list[GrammarMatcher]):
-        """A Future of the [len(matchers), width] int32 bitmask."""
+    def start(self, matchers: list[GrammarMatcher], overlap: bool) -> Future:
+        """A Future of the [len(matchers), width] int32 bitmask; with
+        ``overlap`` false it is filled before this returns."""
+        if not overlap:
+            done: Future = Future()
+            done.set_result(self._fill(matchers))
+            return done
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-grammar")
         return self._pool.submit(self._fill, matchers)
 

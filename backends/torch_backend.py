@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -99,6 +100,8 @@ class TorchBackend:
         self.grammar = grammar or GrammarCompiler(loaded.tokenizer.tokenizer,
                                                   self.config.vocab_size, eos)
         self._bitmasks = BitmaskFiller(self.config.vocab_size)
+        self._num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
 
         positions = max_positions or self.config.max_position_embeddings
         cos_table, sin_table = rope_table(self.config, positions, act, self.device)
@@ -263,6 +266,12 @@ class TorchBackend:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _spare_core(self) -> bool:
+        """Whether work beside the forward pass (the grammar's masks) runs
+        without taking a core from it: on a GPU, or with fewer torch threads
+        than cores."""
+        return self.device.type != "cpu" or torch.get_num_threads() < self._num_cores
+
     def request_state_ids(self) -> set[str]:
         return set(self._states)
 
@@ -291,7 +300,8 @@ class TorchBackend:
         batch = self._sampling_batch(sample_rows)
         constrained = [(i, state.grammar) for i, r in enumerate(sample_rows)
                        if (state := self._states[r.request_id]).grammar is not None]
-        masks = self._bitmasks.start([m for _, m in constrained]) if constrained else None
+        masks = self._bitmasks.start([m for _, m in constrained], self._spare_core()) \
+            if constrained else None
         t1 = time.perf_counter()
         timings.prepare = t1 - t0
 

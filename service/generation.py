@@ -26,7 +26,7 @@ from service.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                               DeltaFunction, DeltaToolCall, ErrorBody, ErrorResponse,
                               PromptTokensDetails, ToolCallFunction, ToolCallOut, TopLogprob,
                               Usage)
-from service.tool_calls import ParsedCall, ParserDelta, ToolCallParser
+from service.tool_call_parser import CallDelta, ToolCallParser, coalesce, merge_calls
 
 _encoder = msgspec.json.Encoder()
 
@@ -231,9 +231,8 @@ def _chat_message(p: PreparedRequest, c: Choice) -> tuple[ChatResponseMessage, s
     if p.tools is None:
         return ChatResponseMessage("assistant", c.text), finish
     parser = ToolCallParser(p.tools)
-    first, last = parser.feed(c.text), parser.finish()
-    calls = first.calls + last.calls
-    content = first.content + last.content
+    reply = parser.feed(c.text).extend(parser.finish())
+    calls, content = merge_calls(reply.calls), reply.content
     if not calls:
         return ChatResponseMessage("assistant", content), finish
     tool_calls = [ToolCallOut(call.id, ToolCallFunction(call.name, call.arguments))
@@ -247,11 +246,14 @@ def tool_finish_reason(finish: str | None) -> str | None:
     return "tool_calls" if finish == "stop" else finish
 
 
-def _delta_calls(calls: list[ParsedCall]) -> list[DeltaToolCall] | None:
+def _delta_calls(calls: list[CallDelta]) -> list[DeltaToolCall] | None:
+    """A chunk's tool-call deltas, one per call: a call's first carries its
+    id, type and name, every one the next piece of its arguments."""
     if not calls:
         return None
-    return [DeltaToolCall(c.index, c.id, "function", DeltaFunction(c.name, c.arguments))
-            for c in calls]
+    return [DeltaToolCall(c.index, c.id, "function" if c.id else None,
+                          DeltaFunction(c.name, c.arguments))
+            for c in coalesce(calls)]
 
 
 # ---------------------------------------------------------------- streaming
@@ -302,8 +304,7 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
         if parser is not None:
             delta = parser.feed(text)
             if out.finished:
-                end = parser.finish()
-                delta = ParserDelta(delta.content + end.content, delta.calls + end.calls)
+                delta.extend(parser.finish())
             text, calls = delta.content, _delta_calls(delta.calls)
             called[index] = called[index] or bool(calls)
         if (not text and not calls and not out.finished and p.num_logprobs is None

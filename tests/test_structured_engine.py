@@ -84,6 +84,49 @@ def test_schemas_hold_greedy_and_sampled_beside_free_rows(smol):
     assert not out["free"].text.lstrip().startswith("{")
 
 
+# The schema features OpenAI's structured outputs list beyond the ones above:
+# string formats, number bounds, multipleOf, const, $defs and $ref.
+FEATURES = {"type": "object", "properties": {
+    "kind": {"const": "order"},
+    "id": {"type": "string", "format": "uuid"},
+    "placed": {"type": "string", "format": "date-time"},
+    "day": {"type": "string", "format": "date"},
+    "server": {"type": "string", "format": "ipv4"},
+    "price": {"type": "number", "minimum": 0, "exclusiveMaximum": 100},
+    "quantity": {"type": "integer", "multipleOf": 5, "minimum": 5, "maximum": 50},
+    "parts": {"type": "array", "items": {"$ref": "#/$defs/part"}, "minItems": 1,
+              "maxItems": 2}},
+    "required": ["kind", "id", "placed", "day", "server", "price", "quantity", "parts"],
+    "additionalProperties": False,
+    "$defs": {"part": {"type": "object", "properties": {
+        "name": {"enum": ["bolt", "nut", "gear"]},
+        "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["name", "count"], "additionalProperties": False}}}
+# A recursive schema (a model may nest it without end, so only compiled here).
+TREE = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+    "required": ["name", "children"], "additionalProperties": False}}}
+
+
+def test_openai_schema_features_hold(smol):
+    import datetime
+    import ipaddress
+    import uuid
+    res = run_all(smol, {"r": _chat_ids(smol, "Write one order record as JSON.")},
+                  SamplingParams(temperature=0, max_tokens=200,
+                                 structured=_spec(FEATURES)))["r"]
+    assert res.finish_reason == "stop", res.text
+    record = json.loads(res.text)
+    jsonschema.validate(record, FEATURES)
+    # Formats, which jsonschema does not check by default.
+    uuid.UUID(record["id"])
+    datetime.datetime.fromisoformat(record["placed"].replace("Z", "+00:00"))
+    datetime.date.fromisoformat(record["day"])
+    ipaddress.IPv4Address(record["server"])
+    smol.grammar.compile(_spec(TREE))   # accepted, not refused as unsupported
+
+
 def test_max_tokens_first_ends_with_length_and_a_valid_prefix(smol):
     spec = _spec(SCHEMAS["nested_enum"])
     res = run_all(smol, {"r": _chat_ids(smol, QUESTIONS["nested_enum"])},
@@ -178,3 +221,22 @@ def test_warm_up_prepares_the_grammar_engine(tiny_llama_dir):
     assert not core.grammar.ready
     report = warm_up(core)
     assert core.grammar.ready and report.requests == 7
+
+
+def test_bitmasks_are_the_same_overlapped_or_not(smol):
+    """The helper-thread path (a spare core or a GPU) and the at-once path
+    (every core busy with the forward pass) fill the same masks."""
+    from backends.grammar import BitmaskFiller
+    compiled = smol.grammar.compile(_spec(SCHEMAS["nested_enum"]))
+    matchers = [compiled.new_matcher() for _ in range(3)]
+    for token in smol.tokenizer.encode('{"city": "Pa', add_special_tokens=False):
+        assert matchers[1].accept(token)
+    filler = BitmaskFiller(smol.grammar.vocab_size)
+    try:
+        at_once = filler.start(matchers, overlap=False).result()
+        overlapped = filler.start(matchers, overlap=True).result()
+    finally:
+        filler.shutdown()
+    assert at_once.equal(overlapped)
+    assert at_once[0].equal(at_once[2]) and not at_once[0].equal(at_once[1])
+
