@@ -240,3 +240,11 @@ def test_bitmasks_are_the_same_overlapped_or_not(smol):
     assert at_once.equal(overlapped)
     assert at_once[0].equal(at_once[2]) and not at_once[0].equal(at_once[1])
 
+
+
+def test_compiled_constraints_are_cached_by_constraint(smol):
+    first = smol.grammar.compile(_spec(SCHEMAS["array"]))
+    assert smol.grammar.compile(_spec(SCHEMAS["array"])) is first
+    assert smol.grammar.compile(StructuredOutputSpec("json", json.dumps(SCHEMAS["array"]),
+                                                     param="structured_outputs")) is first
+    assert smol.grammar.compile(_spec(SCHEMAS["nested_enum"])) is not first

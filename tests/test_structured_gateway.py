@@ -91,6 +91,15 @@ def test_json_schema_output_validates(server, client, stream, temperature):
     jsonschema.validate(json.loads(text), BOOK)
 
 
+def test_text_response_format_is_no_constraint(server, client):
+    kwargs = dict(model=_model(server), messages=_ask("Say hello."), temperature=0,
+                  max_tokens=12)
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    text = client.chat.completions.create(response_format={"type": "text"},
+                                          **kwargs).choices[0].message.content
+    assert text == plain and not text.lstrip().startswith("{")
+
+
 def test_json_object_and_vllm_structured_outputs(server, client):
     model = _model(server)
     obj = client.chat.completions.create(

@@ -240,6 +240,24 @@ def test_format_detection_and_plan_validation(tiny_llama_dir):
     assert info.value.param == "tools"
 
 
+def test_parallel_tool_calls_decides_how_many_calls_the_grammar_allows():
+    """false (or a named function) allows one call; the native formats allow
+    several unless told false; the generic one only when told true."""
+    from service.protocol import FunctionDefinition, Tool
+    tools = [Tool("function", FunctionDefinition(n, parameters=PARAMS[n])) for n in PARAMS]
+
+    def several(fmt, parallel, choice="required") -> bool:
+        spec = plan_tools(tools, choice, parallel, fmt, None).constraint()
+        if fmt == GENERIC:
+            return "maxItems" not in json.loads(spec.source)["properties"]["tool_calls"]
+        return "call)*" in spec.source
+    assert [several(HERMES, p) for p in (None, True, False)] == [True, True, False]
+    assert [several(LLAMA3_JSON, p) for p in (None, True, False)] == [True, True, False]
+    assert [several(GENERIC, p) for p in (None, True, False)] == [False, True, False]
+    named = NamedToolChoice(function=NamedFunction("count"))
+    assert not several(HERMES, True, named) and not several(GENERIC, True, named)
+
+
 @pytest.fixture(scope="module", params=[("qwen2", HERMES_TEMPLATE), ("llama", LLAMA3_TEMPLATE)],
                 ids=["qwen2-hermes", "llama-llama3_json"])
 def tool_server(request):
