@@ -37,6 +37,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prefill-rows", type=int, default=0,
+                    help="also prefill this many chunks per step, each attending to a "
+                         "cached prefix of --context tokens (a shared-prefix step)")
+    ap.add_argument("--prefill-len", type=int, default=100,
+                    help="tokens of each --prefill-rows chunk")
     ap.add_argument("--cpu-kind", default="auto",
                     choices=["auto", "portable", "avx2", "avx512", "avx512_bf16"],
                     help="run this CPU kind's path (backends/execution.py)")
@@ -47,10 +52,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model_path(args.model), dtype=DTYPES[args.dtype])
     bs = args.block_size
-    max_ctx = args.context + args.steps * 2 + 8
+    max_ctx = args.context + max(args.steps * 2, args.prefill_len) + 8
     blocks_per = -(-max_ctx // bs)
+    num_seqs = args.batch + args.prefill_rows
     backend = create_backend(loaded, BackendConfig(
-        dtype=args.dtype, block_size=bs, num_kv_blocks=args.batch * blocks_per + 1,
+        dtype=args.dtype, block_size=bs, num_kv_blocks=num_seqs * blocks_per + 1,
+        threads=args.threads,
         execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
                                    cpu_kind=args.cpu_kind)))
     print(f"plan: {backend.plan.describe()}")
@@ -58,7 +65,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
     reqs = []
-    for i in range(args.batch):
+    for i in range(num_seqs):
         table = list(range(1 + i * blocks_per, 1 + (i + 1) * blocks_per))
         prompt = torch.randint(100, vocab, (args.context,), generator=gen).tolist()
         reqs.append([f"r{i}", prompt, table])
@@ -69,11 +76,16 @@ def main() -> None:
             rid, prompt, 0, table, True, params, 0, prompt)]))
         last[rid] = res.token_ids[0]
     pos = args.context
+    decodes, chunks = reqs[:args.batch], reqs[args.batch:]
+    suffix = torch.randint(100, vocab, (args.prefill_len,), generator=gen).tolist()
 
     def step():
         nonlocal pos
+        # The chunks recompute the same positions every step (same cost).
         out = SchedulerOutput([ScheduledRequest(rid, [last[rid]], pos, table, True, params, 1)
-                               for rid, _p, table in reqs])
+                               for rid, _p, table in decodes]
+                              + [ScheduledRequest(rid, suffix, args.context, table, True,
+                                                  params, 0) for rid, _p, table in chunks])
         t = time.perf_counter()
         res = backend.execute(out)
         dt = time.perf_counter() - t
@@ -89,13 +101,14 @@ def main() -> None:
     print(f"batch {args.batch} context {args.context} {args.dtype} threads "
           f"{torch.get_num_threads()}: step p50 {statistics.median(ms):.1f} ms "
           f"(min {min(ms):.1f}), forward p50 {fwd:.1f} ms, "
-          f"{args.batch / statistics.median(ms) * 1e3:.0f} tok/s")
+          f"{args.batch / statistics.median(ms) * 1e3:.0f} tok/s"
+          + (f" (+ {args.prefill_rows} chunks of {args.prefill_len})" if chunks else ""))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 step()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
 
 
 if __name__ == "__main__":

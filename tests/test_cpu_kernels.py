@@ -114,6 +114,7 @@ def _reference(q, k_cache, v_cache, tables, lens, bs, scale):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16),    # SmolLM2's shape: grouped queries
+    (14, 2, 64, 16),   # seven query heads per kv head: more than one register pass
     (8, 8, 32, 4),     # one kv head per query head
     (12, 2, 128, 16),  # wide heads
     (4, 1, 16, 1),     # a single kv head, one slot per block
@@ -240,12 +241,22 @@ def test_bf16_qkv_rope_store_matches_float32_rounded(kind, qk_norm):
         torch.testing.assert_close(got.float(), want.float(), **BF16_ULP)
 
 
-def test_bf16_decode_attention_matches_float32_rounded(kernel):
+@pytest.mark.parametrize("h,kvh,d,bs", [
+    (9, 3, 64, 16),     # SmolLM2
+    (14, 2, 64, 16),    # seven query heads per kv head
+    (12, 2, 128, 16),   # wide heads
+    (8, 8, 32, 8),      # narrow heads, smaller blocks
+    (6, 2, 48, 16),     # a head_dim the AVX-512 paths leave to the AVX2 one
+    (4, 2, 64, 32),     # blocks wider than the bf16 scores take at once
+])
+def test_bf16_decode_attention_matches_float32_rounded(kernel, h, kvh, d, bs):
+    """A bf16 query (scores as bf16 dot products where the CPU has them)
+    against the same values in float32 (scores as float32 FMAs)."""
     gen = torch.Generator().manual_seed(23)
-    bs, kvh, h, d = 16, 3, 9, 64
+    nb = -(-150 // bs)
     k_cache, v_cache = _bf16(300 * bs, kvh, d, gen=gen), _bf16(300 * bs, kvh, d, gen=gen)
     lens = torch.tensor([1, 16, 77, 150])
-    tables = torch.randperm(300, generator=gen)[:4 * 10].view(4, 10)
+    tables = torch.randperm(300, generator=gen)[:4 * nb].view(4, nb)
     q = _bf16(4, h, d, gen=gen)
     out = kernel(q, k_cache, v_cache, tables, lens, 150, bs, d ** -0.5)
     ref = kernel(q.float(), k_cache, v_cache, tables, lens, 150, bs, d ** -0.5)

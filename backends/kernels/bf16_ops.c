@@ -128,9 +128,9 @@ int baton_paged_decode_attention_bf16(
     float *buf = (float *)malloc(sizeof(float) * 2 * T * H * D);
     if (buf == NULL) return 2;
     baton_load_bf16(q, buf, T * H * D);
-    const int rc = baton_paged_decode_attention_f32(
-        buf, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, buf + T * H * D, T, H, KVH, D,
-        max_blocks, block_size, max_ctx, scale, num_threads);
+    const int rc = baton_paged_decode_attention_qb(
+        buf, q, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, buf + T * H * D, T, H, KVH,
+        D, max_blocks, block_size, max_ctx, scale, num_threads);
     if (rc == 0) baton_store_bf16(buf + T * H * D, out, T * H * D);
     free(buf);
     return rc;

@@ -28,6 +28,7 @@
 #define baton_paged_decode_attention_f32 BATON_FN(baton_paged_decode_attention_f32)
 #define baton_paged_decode_attention_bf16 BATON_FN(baton_paged_decode_attention_bf16)
 #define baton_attention_task BATON_FN(baton_attention_task)
+#define baton_paged_decode_attention_qb BATON_FN(baton_paged_decode_attention_qb)
 #define baton_gemv_bf16 BATON_FN(baton_gemv_bf16)
 #define baton_gemv_tiles BATON_FN(baton_gemv_tiles)
 #define baton_gemv_tiles_bf16x BATON_FN(baton_gemv_tiles_bf16x)
@@ -268,6 +269,15 @@ void baton_attention_task(const float *q, const void *k_cache, const void *v_cac
                           int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
                           int64_t D, int64_t max_blocks, int64_t block_size, float scale,
                           float *scores, float *acc);
+
+/* The float32 decode attention (q, out [T, H, D] float32), given also the
+ * query rounded to bf16 when that is exact (qb, or NULL): with AVX512_BF16
+ * and a bf16 cache the scores are then bf16 dot products. */
+int baton_paged_decode_attention_qb(
+        const float *q, const uint16_t *qb, const void *k_cache, const void *v_cache,
+        int kv_bf16, const int64_t *block_tables, const int64_t *ctx_lens, float *out,
+        int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+        int64_t block_size, int64_t max_ctx, float scale, int num_threads);
 
 /* ------------------------------------------------------- bf16 gemv */
 /* Weights for the gemv are tiled: rows padded to a multiple of 8, columns to

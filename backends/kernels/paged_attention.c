@@ -84,12 +84,10 @@ static inline void qk_four(const float *qh, int64_t D, const void *k_cache,
  * heads) used whole while it is in L1, so the pool streams from memory in
  * order; a pass per kv head (every third 128-byte piece) ran at a fraction of
  * the bandwidth once the context outgrew the caches. */
-static inline void attention_task_grouped(const float *qt, const void *k_cache,
-                                          const void *v_cache, const int64_t *table,
-                                          int64_t n, int64_t h0, int64_t h1, int64_t G,
-                                          int64_t KVH, int64_t D, int64_t block_size,
-                                          float scale, float *scores, float *acc,
-                                          const int bf16) {
+static inline void scores_grouped(const float *qt, const void *k_cache, const int64_t *table,
+                                  int64_t n, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
+                                  int64_t D, int64_t block_size, float scale, float *scores,
+                                  const int bf16) {
     const int64_t row = KVH * D;
     const int64_t g0 = h0 / G, g1 = h1 / G;
     int64_t b = 0, o = 0, p = 0;
@@ -123,8 +121,16 @@ static inline void attention_task_grouped(const float *qt, const void *k_cache,
         }
     }
     softmax_rows(scores, n, h0, h1);
-    /* acc[h] += w[h][p] * V[p]: each V vector loaded (widened) once for the
-     * G heads of its kv head; the accumulators (H * D floats) stay in L1. */
+}
+
+/* acc[h] += w[h][p] * V[p]: each V vector loaded (widened) once for the
+ * G heads of its kv head; the accumulators (H * D floats) stay in L1. */
+static inline void values_grouped(const void *v_cache, const int64_t *table, int64_t n,
+                                  int64_t h0, int64_t h1, int64_t G, int64_t KVH, int64_t D,
+                                  int64_t block_size, const float *scores, float *acc,
+                                  const int bf16) {
+    const int64_t row = KVH * D;
+    const int64_t g0 = h0 / G, g1 = h1 / G;
     memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
     for (int64_t p0 = 0; p0 < n; p0 += block_size) {
         const int64_t base = table[p0 / block_size] * block_size * row;
@@ -158,6 +164,16 @@ static inline void attention_task_grouped(const float *qt, const void *k_cache,
     }
 }
 
+static inline void attention_task_grouped(const float *qt, const void *k_cache,
+                                          const void *v_cache, const int64_t *table,
+                                          int64_t n, int64_t h0, int64_t h1, int64_t G,
+                                          int64_t KVH, int64_t D, int64_t block_size,
+                                          float scale, float *scores, float *acc,
+                                          const int bf16) {
+    scores_grouped(qt, k_cache, table, n, h0, h1, G, KVH, D, block_size, scale, scores, bf16);
+    values_grouped(v_cache, table, n, h0, h1, G, KVH, D, block_size, scores, acc, bf16);
+}
+
 static void attention_task_grouped_f32(const float *qt, const void *k_cache,
                                        const void *v_cache, const int64_t *table, int64_t n,
                                        int64_t h0, int64_t h1, int64_t G, int64_t KVH,
@@ -174,6 +190,170 @@ static void attention_task_grouped_bf16(const float *qt, const void *k_cache,
                                         float *scores, float *acc) {
     attention_task_grouped(qt, k_cache, v_cache, table, n, h0, h1, G, KVH, D, block_size,
                            scale, scores, acc, 1);
+}
+#endif
+
+#if defined(BATON_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+/* The AVX-512 kinds. Values (attention weights times V) accumulate in
+ * registers over a whole block, for as many heads of a kv group as 24 zmm
+ * hold, instead of a load-FMA-store of each head's accumulator per position
+ * (the AVX2 loop above is bound by those stores): the same FMAs in the same
+ * order, so the result is bit-identical to it. Scores, with AVX512_BF16 and a
+ * bf16 query and cache, are vdpbf16ps dot products (bf16 products are exact
+ * in float32; the sums run in another order than the float32 loop), sixteen
+ * positions of a block at a time, their sixteen horizontal sums folded into
+ * one vector by a shuffle tree. */
+#define BATON_PV_REGS 24
+
+static inline __m512 load16(const void *base, int64_t i, const int bf16) {
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* acc[h][0..16*DV) += w[h][i] * V[i] for the NH heads (rows h * D of acc,
+ * h * n of w) and the m slots at v_cache + at + i * row. */
+static inline __attribute__((always_inline)) void pv_block(
+        const void *v_cache, int64_t at, int64_t row, int64_t m, const float *w, int64_t n,
+        float *acc, int64_t D, const int NH, const int DV, const int bf16) {
+    __m512 a[BATON_PV_REGS];
+    #pragma GCC unroll 24
+    for (int h = 0; h < NH; h++)
+        #pragma GCC unroll 8
+        for (int x = 0; x < DV; x++) a[h * DV + x] = _mm512_loadu_ps(acc + h * D + 16 * x);
+    for (int64_t i = 0; i < m; i++) {
+        __m512 v[8];
+        #pragma GCC unroll 8
+        for (int x = 0; x < DV; x++) v[x] = load16(v_cache, at + i * row + 16 * x, bf16);
+        #pragma GCC unroll 24
+        for (int h = 0; h < NH; h++) {
+            const __m512 wv = _mm512_set1_ps(w[h * n + i]);
+            #pragma GCC unroll 8
+            for (int x = 0; x < DV; x++) a[h * DV + x] = _mm512_fmadd_ps(wv, v[x], a[h * DV + x]);
+        }
+    }
+    #pragma GCC unroll 24
+    for (int h = 0; h < NH; h++)
+        #pragma GCC unroll 8
+        for (int x = 0; x < DV; x++) _mm512_storeu_ps(acc + h * D + 16 * x, a[h * DV + x]);
+}
+
+#define BATON_PV_CASE(NH_, DV_) \
+    case NH_: pv_block(v_cache, at, row, m, w, n, acc, D, NH_, DV_, bf16); break;
+/* NH <= BATON_PV_REGS / DV, as pv_heads chunks them. */
+static inline void pv_dispatch(const void *v_cache, int64_t at, int64_t row, int64_t m,
+                               const float *w, int64_t n, float *acc, int64_t D, int NH,
+                               const int bf16) {
+    switch (D / 16) {
+    case 2: switch (NH) { BATON_PV_CASE(1, 2) BATON_PV_CASE(2, 2) BATON_PV_CASE(3, 2)
+        BATON_PV_CASE(4, 2) BATON_PV_CASE(5, 2) BATON_PV_CASE(6, 2) BATON_PV_CASE(7, 2)
+        BATON_PV_CASE(8, 2) BATON_PV_CASE(9, 2) BATON_PV_CASE(10, 2) BATON_PV_CASE(11, 2)
+        default: pv_block(v_cache, at, row, m, w, n, acc, D, 12, 2, bf16); } break;
+    case 4: switch (NH) { BATON_PV_CASE(1, 4) BATON_PV_CASE(2, 4) BATON_PV_CASE(3, 4)
+        BATON_PV_CASE(4, 4) BATON_PV_CASE(5, 4)
+        default: pv_block(v_cache, at, row, m, w, n, acc, D, 6, 4, bf16); } break;
+    case 8: switch (NH) { BATON_PV_CASE(1, 8) BATON_PV_CASE(2, 8)
+        default: pv_block(v_cache, at, row, m, w, n, acc, D, 3, 8, bf16); } break;
+    }
+}
+#undef BATON_PV_CASE
+
+static inline int pv_fits(int64_t D) { return D == 32 || D == 64 || D == 128; }
+
+#if defined(__AVX512BF16__)
+/* Lane j of the result: the sum of a[j]'s sixteen lanes. */
+static inline __attribute__((always_inline)) __m512 hsum16x16(__m512 a[16]) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; k++)
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
+                             _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        const __m512d x = _mm512_castps_pd(t[2 * k]), y = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* u[k]'s 128-bit chunk c: partial sums of a[4k .. 4k+3] over chunk c */
+    const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* scores[h][p0 + j] = scale * q_h . K[slot j] for the m <= 16 slots of one
+ * block (element offset `at` of slot 0's kv head, `row` apart); q_h in bf16,
+ * D = 32 * DQ. */
+static inline __attribute__((always_inline)) void qk_block_bf16(
+        const uint16_t *qh, const uint16_t *k_cache, int64_t at, int64_t row, int64_t m,
+        float scale, float *sh, const int DQ) {
+    __m512bh q[4];
+    #pragma GCC unroll 4
+    for (int x = 0; x < DQ; x++) q[x] = (__m512bh)_mm512_loadu_si512((const void *)(qh + 32 * x));
+    __m512 a[16];
+    #pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        a[j] = _mm512_setzero_ps();
+        if (j < m) {
+            const uint16_t *kj = k_cache + at + j * row;
+            #pragma GCC unroll 4
+            for (int x = 0; x < DQ; x++)
+                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(
+                    (const void *)(kj + 32 * x)), q[x]);
+        }
+    }
+    const __m512 r = _mm512_mul_ps(hsum16x16(a), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(sh, (__mmask16)((1u << m) - 1u), r);
+}
+
+static inline void qk_block_dispatch(const uint16_t *qh, const uint16_t *k_cache, int64_t at,
+                                     int64_t row, int64_t m, int64_t D, float scale,
+                                     float *sh) {
+    switch (D / 32) {
+    case 1: qk_block_bf16(qh, k_cache, at, row, m, scale, sh, 1); break;
+    case 2: qk_block_bf16(qh, k_cache, at, row, m, scale, sh, 2); break;
+    default: qk_block_bf16(qh, k_cache, at, row, m, scale, sh, 4); break;
+    }
+}
+#endif
+
+/* attention_task_grouped's job on AVX-512; qb: the query in bf16 (exact)
+ * for the vdpbf16ps scores, else NULL (scores as the AVX2 loop takes them). */
+static void attention_task_avx512(const float *qt, const uint16_t *qb, const void *k_cache,
+                                  const void *v_cache, const int64_t *table, int64_t n,
+                                  int64_t h0, int64_t h1, int64_t G, int64_t KVH, int64_t D,
+                                  int64_t block_size, float scale, float *scores, float *acc,
+                                  const int bf16) {
+    const int64_t row = KVH * D;
+    (void)qb;
+#if defined(__AVX512BF16__)
+    if (qb != NULL && bf16 && (D == 32 || D == 64 || D == 128) && block_size <= 16) {
+        for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+            const int64_t base = table[p0 / block_size] * block_size * row;
+            const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
+            for (int64_t h = h0; h < h1; h++)
+                qk_block_dispatch(qb + h * D, (const uint16_t *)k_cache, base + (h / G) * D,
+                                  row, m, D, scale, scores + h * n + p0);
+        }
+        softmax_rows(scores, n, h0, h1);
+    } else
+#endif
+        scores_grouped(qt, k_cache, table, n, h0, h1, G, KVH, D, block_size, scale, scores,
+                       bf16);
+    memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
+    const int64_t most = BATON_PV_REGS / (D / 16);
+    for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+        const int64_t base = table[p0 / block_size] * block_size * row;
+        const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
+        for (int64_t g = h0 / G; g < h1 / G; g++)
+            for (int64_t hs = g * G; hs < (g + 1) * G; hs += most) {
+                const int64_t nh = (g + 1) * G - hs < most ? (g + 1) * G - hs : most;
+                pv_dispatch(v_cache, base + g * D, row, m, scores + hs * n + p0, n,
+                            acc + hs * D, D, (int)nh, bf16);
+            }
+    }
 }
 #endif
 
@@ -234,16 +414,24 @@ static void attention_task_generic(const float *q, const void *k_cache, const vo
     memcpy(out + (t * H + h0) * D, acc + h0 * D, sizeof(float) * (h1 - h0) * D);
 }
 
-void baton_attention_task(const float *q, const void *k_cache, const void *v_cache,
-                          int kv_bf16,
-                          const int64_t *block_tables, const int64_t *ctx_lens, float *out,
-                          int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
-                          int64_t D, int64_t max_blocks, int64_t block_size, float scale,
-                          float *scores, float *acc) {
+/* baton_attention_task, with the query also in bf16 (qb: exact copies of
+ * q's values, or NULL). */
+static void attention_task(const float *q, const uint16_t *qb, const void *k_cache,
+                           const void *v_cache, int kv_bf16, const int64_t *block_tables,
+                           const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
+                           int64_t h1, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                           int64_t block_size, float scale, float *scores, float *acc) {
 #ifdef BATON_AVX2
     if (D % 8 == 0) {
         const int64_t n = ctx_lens[t];
         const int64_t *table = block_tables + t * max_blocks;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if (pv_fits(D))
+            attention_task_avx512(q + t * H * D, qb == NULL ? NULL : qb + t * H * D, k_cache,
+                                  v_cache, table, n, h0, h1, H / KVH, KVH, D, block_size,
+                                  scale, scores, acc, kv_bf16);
+        else
+#endif
         (kv_bf16 ? attention_task_grouped_bf16 : attention_task_grouped_f32)(
             q + t * H * D, k_cache, v_cache, table, n, h0, h1, H / KVH, KVH, D, block_size,
             scale, scores, acc);
@@ -251,13 +439,34 @@ void baton_attention_task(const float *q, const void *k_cache, const void *v_cac
         return;
     }
 #endif
+    (void)qb;
     attention_task_generic(q, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0,
                            h1, H, KVH, D, max_blocks, block_size, scale, scores, acc);
+}
+
+void baton_attention_task(const float *q, const void *k_cache, const void *v_cache,
+                          int kv_bf16,
+                          const int64_t *block_tables, const int64_t *ctx_lens, float *out,
+                          int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
+                          int64_t D, int64_t max_blocks, int64_t block_size, float scale,
+                          float *scores, float *acc) {
+    attention_task(q, NULL, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0, h1,
+                   H, KVH, D, max_blocks, block_size, scale, scores, acc);
 }
 
 int baton_paged_decode_attention_f32(
         const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
         const int64_t *block_tables, const int64_t *ctx_lens, float *out,
+        int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+        int64_t block_size, int64_t max_ctx, float scale, int num_threads) {
+    return baton_paged_decode_attention_qb(q, NULL, k_cache, v_cache, kv_bf16, block_tables,
+                                           ctx_lens, out, T, H, KVH, D, max_blocks,
+                                           block_size, max_ctx, scale, num_threads);
+}
+
+int baton_paged_decode_attention_qb(
+        const float *q, const uint16_t *qb, const void *k_cache, const void *v_cache,
+        int kv_bf16, const int64_t *block_tables, const int64_t *ctx_lens, float *out,
         int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
         int64_t block_size, int64_t max_ctx, float scale, int num_threads) {
     if (KVH < 1 || H % KVH != 0) return 1;
@@ -279,9 +488,9 @@ int baton_paged_decode_attention_f32(
         for (int64_t task = 0; task < T * splits; task++) {
             if (scores == NULL || acc == NULL) continue;
             const int64_t h0 = (task % splits) * per_task;
-            baton_attention_task(q, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out,
-                                 task / splits, h0, h0 + per_task, H, KVH, D, max_blocks,
-                                 block_size, scale, scores, acc);
+            attention_task(q, qb, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out,
+                           task / splits, h0, h0 + per_task, H, KVH, D, max_blocks,
+                           block_size, scale, scores, acc);
         }
         free(scores);
         free(acc);
