@@ -37,6 +37,10 @@ class PrefillSegment:
     token_end: int
     blocks: torch.Tensor
     mask: torch.Tensor
+    # The mask as SDPA's additive bias in the activation dtype (0 / -inf),
+    # made once per step: given a bool mask, SDPA converts it (where +
+    # scalar_tensor) in every layer. None: use ``mask``.
+    bias: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -85,6 +89,13 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(weights, v)
 
 
+def _gather(blocks: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``blocks[index]`` for an index of block ids of any shape. index_select
+    copies whole rows: 8-10x faster than advanced indexing (``aten::index``)
+    for a prefill chunk's blocks."""
+    return blocks.index_select(0, index.reshape(-1)).view(*index.shape, *blocks.shape[1:])
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     decode_kernel: Callable[..., torch.Tensor] | None = None,
@@ -113,16 +124,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[:d] = decoded
     elif d:
         # [D, NB, bs, kv, hd] -> [D, kv, NB * bs, hd]
-        k = k_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        v = v_blocks[meta.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        k = _gather(k_blocks, meta.decode_blocks).flatten(1, 2).transpose(1, 2).to(q.dtype)
+        v = _gather(v_blocks, meta.decode_blocks).flatten(1, 2).transpose(1, 2).to(q.dtype)
         out[:d] = sdpa(
             q[:d].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)
     for seg in meta.prefills:
         qs = q[seg.token_start:seg.token_end].transpose(0, 1).unsqueeze(0)
-        k = k_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        v = v_blocks[seg.blocks].flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        o = sdpa(qs, k, v, attn_mask=seg.mask, scale=scale,
-                                           enable_gqa=True)
+        k = _gather(k_blocks, seg.blocks).flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        v = _gather(v_blocks, seg.blocks).flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        mask = seg.mask if softcap is not None or seg.bias is None else seg.bias
+        o = sdpa(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[seg.token_start:seg.token_end] = o.squeeze(0).transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)

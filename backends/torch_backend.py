@@ -478,7 +478,10 @@ class TorchBackend:
         if window is not None:
             mask &= kv_pos > q_pos - window
         blocks = torch.tensor(row.block_table[first:num_blocks], dtype=torch.long)
-        return PrefillSegment(start, start + n, blocks.to(self.device), mask.to(self.device))
+        mask = mask.to(self.device)
+        bias = torch.zeros(mask.shape, dtype=self.compute_dtype, device=self.device).masked_fill_(
+            ~mask, float("-inf"))
+        return PrefillSegment(start, start + n, blocks.to(self.device), mask, bias)
 
     def _decode_gather(self, rows: list[ScheduledRequest], meta: AttentionMetadata) -> None:
         bs = self.block_size
