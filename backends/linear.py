@@ -118,6 +118,8 @@ class Bf16WeightLinear(nn.Module):
         self.register_buffer("bias", b, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 0:  # a step that samples no row
+            return x.new_empty(0, self.out_features)
         if x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
             return self.gemv(x, self.weight_tiled, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,

@@ -37,9 +37,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--compile", action="store_true",
-                    help="run the model's forward through torch.compile (Inductor, dynamic "
-                         "shapes); prints the compile time (the first steps)")
     ap.add_argument("--prefill-rows", type=int, default=0,
                     help="also prefill this many chunks per step, each attending to a "
                          "cached prefix of --context tokens (a shared-prefix step)")
@@ -53,13 +50,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.compile:
-        # Inductor lowers plain linears itself (with freezing: prepacked for
-        # oneDNN once); it cannot lower an already prepacked one.
-        import backends.torch_backend as torch_backend
-        import torch._inductor.config as inductor_config
-        torch_backend.swap_linears = lambda model, plan: 0
-        inductor_config.freezing = True
     loaded = load_model(resolve_model_path(args.model), dtype=DTYPES[args.dtype])
     bs = args.block_size
     max_ctx = args.context + max(args.steps * 2, args.prefill_len) + 8
@@ -104,26 +94,10 @@ def main() -> None:
         pos += 1
         return dt, res.timings
 
-    if args.compile:
-        # The decoder forward (compiled after the prefills) as one Inductor
-        # graph, custom ops opaque (fake implementations in backends/kernels);
-        # no whole-step decode, so every step runs it. Dynamo guards on the
-        # ints of the attention metadata: decode_max_len (only the size of
-        # the kernel's score buffer) is bucketed here to 256 so that the
-        # steps measured reuse one graph.
-        backend._whole_step = None
-        gather = backend._decode_gather
-
-        def bucketed(rows, meta):
-            gather(rows, meta)
-            meta.decode_max_len = -(-meta.decode_max_len // 256) * 256
-        backend._decode_gather = bucketed
-        backend.model.forward = torch.compile(backend.model.forward, dynamic=True)
     t = time.perf_counter()
     step()
     step()
-    print(f"first two decode steps: {time.perf_counter() - t:.1f} s"
-          + (" (with compilation)" if args.compile else ""))
+    print(f"first two decode steps: {time.perf_counter() - t:.1f} s")
     times = [step() for _ in range(args.steps)]
     ms = [t * 1e3 for t, _ in times]
     fwd = statistics.median(tm.forward for _, tm in times) * 1e3

@@ -501,6 +501,18 @@ def test_bf16_weight_linear_is_one_function_of_the_rows(kind, packing):
     torch.testing.assert_close(layer(x[:1]), layer(x)[:1], atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_weight_linear_takes_no_rows(kind, packing, weight_dtype):
+    """A step whose chunks all stop short of their prompt's end samples no
+    row: the output projection gets zero rows (a prompt longer than the step
+    budget made that step fail the request)."""
+    from backends.linear import Bf16WeightLinear
+    layer = Bf16WeightLinear(torch.randn(80, 48).to(weight_dtype), None,
+                             native.GemvBf16(kind))
+    out = layer(torch.randn(0, 48).to(weight_dtype))
+    assert out.shape == (0, 80) and out.dtype == weight_dtype
+
+
 class _CountingDecode:
     """Wraps a DecodeBf16 and records the rows of every call."""
 
