@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import zlib
 
 import gguf
 import numpy as np
@@ -140,7 +141,7 @@ def kquant_gguf(tmp_path_factory):
         for part, (rows, cols) in SHAPES.items():
             name = f"blk.{i}.{part}.weight"
             kind = KQUANT_TYPES[name]
-            data = _block_data(kind, rows, cols, seed=hash(name) % 1000)
+            data = _block_data(kind, rows, cols, seed=zlib.crc32(name.encode()) % 1000)
             writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -173,7 +174,15 @@ def test_gguf_mode_keeps_q4_k_and_says_what_became_of_the_rest(kquant_gguf, capl
     for label, engine in (("none", none), ("gguf", core)):
         [result] = run_all(engine, {"p": prompt}, params).values()
         got[label] = result
-    assert got["none"].token_ids == got["gguf"].token_ids
+    # Greedy picks the same token unless the float32 model's top two are a near
+    # tie that the kernel's bfloat16 arithmetic may order either way: the token
+    # the gguf engine picks must be one the float32 model ranks within 0.05 nats
+    # of its best, and the two logprobs of that token must agree closely.
+    ref, quant = got["none"].logprobs[0], got["gguf"].logprobs[0]
+    ref_top = dict(ref.top)
+    assert quant.token_id in ref_top, (quant.token_id, ref.top)
+    assert ref.logprob - ref_top[quant.token_id] <= 0.05
+    assert abs(quant.logprob - ref_top[quant.token_id]) <= 0.1
 
 
 # ------------------------------------------------------------ int4 group size
