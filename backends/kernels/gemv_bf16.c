@@ -40,6 +40,20 @@ int baton_kernels_avx2(void) {
 #endif
 }
 
+/* One tile's eight output features for M rows (out[r * M + m]) plus the
+ * bias, stored into y[m * N + n], rounded to bf16 when asked. */
+static inline void store_tile(const float *out, const float *bias, float *y, int64_t g,
+                              int64_t M, int64_t N, int round_bf16) {
+    for (int64_t r = 0; r < 8 && g * 8 + r < N; r++) {
+        const int64_t n = g * 8 + r;
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m++) {
+            const float v = out[r * M + m] + b;
+            y[m * N + n] = round_bf16 ? baton_round_bf16(v) : v;
+        }
+    }
+}
+
 #ifdef BATON_GEMV_AVX2
 /* Sixteen bf16 values: the even ones and the odd ones as float32. */
 static inline __m256 bf16_even(__m256i v) {
@@ -134,11 +148,7 @@ void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *
         case 3: tile_dp(xb, kp, tile, kb, 3, out); break;
         default: tile_dp(xb, kp, tile, kb, 4, out); break;
         }
-        for (int64_t r = 0; r < 8 && g * 8 + r < N; r++) {
-            const int64_t n = g * 8 + r;
-            const float b = bias ? bias[n] : 0.0f;
-            for (int64_t m = 0; m < M; m++) y[m * N + n] = baton_round_bf16(out[r * M + m] + b);
-        }
+        store_tile(out, bias, y, g, M, N, 1);
     }
 }
 #endif
@@ -198,14 +208,7 @@ void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, flo
 #else
         tile_generic(xp, kp, tile, kb, M, out);
 #endif
-        for (int64_t r = 0; r < 8 && g * 8 + r < N; r++) {
-            const int64_t n = g * 8 + r;
-            const float b = bias ? bias[n] : 0.0f;
-            for (int64_t m = 0; m < M; m++) {
-                const float v = out[r * M + m] + b;
-                y[m * N + n] = round_bf16 ? baton_round_bf16(v) : v;
-            }
-        }
+        store_tile(out, bias, y, g, M, N, round_bf16);
     }
 }
 
