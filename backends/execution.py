@@ -40,6 +40,8 @@ from backends.errors import ModelLoadError
 CPU_KINDS = ("portable", "avx2", "avx512", "avx512_bf16")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZED_LINEARS = ("int8", "int4", "gguf")
+# GGML types the gguf mode keeps as int4 groups (backends/quantization/ggml.py)
+INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 
 
 class ExecutionError(ModelLoadError):
@@ -135,6 +137,10 @@ class Availability:
     native_kernels: frozenset[str] = frozenset()
     onednn_dtypes: frozenset[str] = frozenset()
     reason: str = ""  # why native kernels are missing, for the log
+    # How torch's CPU int4 kernel rounds here (backends.kernels.torch_int4_form:
+    # "avx512" or "avx2", the forms the native int4 gemv reproduces), or the
+    # capability it runs at when it is neither ("default", ...).
+    torch_int4: str = "avx512"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +169,9 @@ class ExecutionPlan:
     prefill_attention: str = "torch-sdpa"
     activation: str = "torch"        # act(gate)*up: native | torch
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
+    whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
     notes: tuple[str, ...] = field(default=())
+    weight_formats: tuple[str, ...] = ()  # a GGUF's projection formats (GGML types)
     # What the architecture adds (see ModelConfig); "none" where it has none.
     mlp_activation: str = "silu"     # silu | gelu_tanh
     sliding_attention: str = "none"  # sliding-window layers, decode and prefill: torch-sdpa
@@ -201,9 +209,11 @@ class ExecutionPlan:
         if self.moe != "none":
             parts.append(f"experts {self.moe}")
         if self.whole_step_decode:
-            parts.append(f"whole-step decode <= {self.whole_step_decode} rows")
+            parts.append(f"whole-step decode <= {self.whole_step_decode} rows"
+                         + (" of int4 panels" if self.whole_step_weights == "int4" else ""))
         if self.quantization != "none":
-            parts.insert(1, f"quantization {self.quantization}")
+            formats = f" ({'+'.join(self.weight_formats)})" if self.weight_formats else ""
+            parts.insert(1, f"quantization {self.quantization}{formats}")
         return "; ".join(parts + list(self.notes))
 
 
@@ -261,19 +271,22 @@ class _ModelNeeds:
 
 def make_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
               available: Availability, options: ExecutionOptions = ExecutionOptions(),
-              model: ModelConfig | None = None) -> ExecutionPlan:
+              model: ModelConfig | None = None,
+              weight_formats: frozenset[str] = frozenset()) -> ExecutionPlan:
     """Decide how to run: pure, so a table of inputs -> plans is testable.
 
     ``dtype`` is resolved already (no "auto"); ``cpu`` is the detected CPU
     (``options.cpu_kind`` limits it here). ``model``: the architecture to run
-    (None plans for a plain Llama / Qwen decoder).
+    (None plans for a plain Llama / Qwen decoder). ``weight_formats``: the
+    GGML types of a GGUF file's projections (gguf quantization).
     """
     return _ModelNeeds.of(model).apply(
-        _plain_plan(device, dtype, quantization, cpu, available, options))
+        _plain_plan(device, dtype, quantization, cpu, available, options, weight_formats))
 
 
 def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
-                available: Availability, options: ExecutionOptions) -> ExecutionPlan:
+                available: Availability, options: ExecutionOptions,
+                weight_formats: frozenset[str] = frozenset()) -> ExecutionPlan:
     if dtype not in DTYPE_NAMES:
         raise ExecutionError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
     if not device.startswith("cpu"):
@@ -327,6 +340,21 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # layer-by-layer path rounds): there is no point between layers for a
     # tensor-parallel all-reduce.
     whole_step = 4 if native and linear == "bf16-gemv+onednn" else 0
+    # Int4 projections (int4, or a GGUF's Q4_0 / Q4_1 / Q4_K) stream a
+    # second copy in the native int4 gemv's panels, multiplied bit-identically
+    # to torch's int4 kernel: possible where that kernel's rounding is one the
+    # gemv reproduces (torch at AVX-512 or AVX2).
+    whole_weights = "bf16"
+    if native and (quantization == "int4" or (
+            quantization == "gguf" and weight_formats and weight_formats <= INT4_FORMATS)):
+        if available.torch_int4 in ("avx512", "avx2"):
+            whole_step, whole_weights = 4, "int4"
+        else:
+            notes.append(f"no whole-step decode (torch's int4 kernel at capability "
+                         f"{available.torch_int4} rounds as no native gemv does)")
+    elif native and quantization == "gguf" and weight_formats:
+        notes.append(f"no whole-step decode (projections {'+'.join(sorted(weight_formats))} "
+                     f"are not all 4-bit groups)")
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
                      + (" (no whole-step decode)" if whole_step else ""))
@@ -340,5 +368,6 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         rope_kv_store="native" if native else "torch",
         decode_attention="native" if native else "torch-sdpa",
         activation="native" if native else "torch",
-        whole_step_decode=whole_step,
+        whole_step_decode=whole_step, whole_step_weights=whole_weights,
+        weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         notes=tuple(notes))

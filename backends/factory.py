@@ -15,7 +15,7 @@ from backends.config import LoadedModel, ModelConfig
 from backends.execution import (Availability, CpuFeatures, ExecutionOptions, ExecutionPlan,
                                 make_plan)
 from backends.interface import Backend
-from backends.quantization.spec import QuantizationSpec
+from backends.quantization.spec import QuantizationSpec, projection_formats
 
 log = logging.getLogger("baton.backend")
 
@@ -57,14 +57,17 @@ def probe_availability(device: str, cpu: CpuFeatures,
                        if packing_supported(dev, dtype))
     ok, reason = kernels.available(cpu.kind)
     return Availability(native_kernels=frozenset({cpu.kind}) if ok else frozenset(),
-                        onednn_dtypes=onednn, reason=reason)
+                        onednn_dtypes=onednn, reason=reason,
+                        torch_int4=torch.backends.cpu.get_cpu_capability().lower())
 
 
 def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None,
-             model: ModelConfig | None = None) -> ExecutionPlan:
+             model: ModelConfig | None = None,
+             weight_formats: frozenset[str] = frozenset()) -> ExecutionPlan:
     """The plan ``create_backend`` follows on this machine (``cpu``: the
     detected CPU unless given) for the architecture ``model`` (None: a plain
-    Llama / Qwen decoder)."""
+    Llama / Qwen decoder) whose projections a GGUF file stores as
+    ``weight_formats``."""
     cpu = cpu or CpuFeatures.detect()
     options = config.execution
     target = cpu
@@ -72,7 +75,7 @@ def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None,
         target = cpu.limited_to(options.cpu_kind)  # refuses a kind this CPU lacks
     available = probe_availability(config.device, target, options)
     return make_plan(config.device, config.dtype, config.quantization.mode, cpu, available,
-                     options, model)
+                     options, model, weight_formats)
 
 
 def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) -> Backend:
@@ -84,7 +87,8 @@ def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) ->
     options = model.options()
     log.info("architecture %s%s", model.architecture,
              f": {', '.join(options)}" if options else " (no options)")
-    plan = plan_for(config, model=model)
+    plan = plan_for(config, model=model,
+                    weight_formats=projection_formats(loaded.source_formats))
     log.info("execution plan: %s", plan.describe())
     from backends.torch_backend import TorchBackend
     return TorchBackend(loaded, plan, block_size=config.block_size,

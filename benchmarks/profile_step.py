@@ -25,6 +25,7 @@ from backends.loader import load_model, resolve_model_path  # noqa: E402
 from backends.device import DTYPES  # noqa: E402
 from backends.execution import ExecutionOptions  # noqa: E402
 from backends.factory import BackendConfig, create_backend  # noqa: E402
+from backends.quantization.spec import QuantizationSpec  # noqa: E402
 
 
 def main() -> None:
@@ -45,19 +46,27 @@ def main() -> None:
     ap.add_argument("--cpu-kind", default="auto",
                     choices=["auto", "portable", "avx2", "avx512", "avx512_bf16"],
                     help="run this CPU kind's path (backends/execution.py)")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
+                    help="weight-only quantization (gguf: keep a GGUF file's blocks)")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(resolve_model_path(args.model), dtype=DTYPES[args.dtype])
+    path = resolve_model_path(args.model)
+    if args.quantization == "gguf":  # as the engine loads it: the file's blocks kept
+        from backends.loader.gguf import load_gguf
+        from backends.quantization import gguf_block_types
+        loaded = load_gguf(path, dtype=DTYPES[args.dtype], keep_quantized=gguf_block_types())
+    else:
+        loaded = load_model(path, dtype=DTYPES[args.dtype])
     bs = args.block_size
     max_ctx = args.context + max(args.steps * 2, args.prefill_len) + 8
     blocks_per = -(-max_ctx // bs)
     num_seqs = args.batch + args.prefill_rows
     backend = create_backend(loaded, BackendConfig(
         dtype=args.dtype, block_size=bs, num_kv_blocks=num_seqs * blocks_per + 1,
-        threads=args.threads,
+        threads=args.threads, quantization=QuantizationSpec(args.quantization),
         execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
                                    cpu_kind=args.cpu_kind)))
     print(f"plan: {backend.plan.describe()}")

@@ -48,7 +48,7 @@ log = logging.getLogger("baton.kernels")
 
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
-    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "decode_bf16.c")]
+    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "gemv_q4.c", "decode_bf16.c")]
 _HEADERS = [_HERE / "kernels.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
@@ -277,6 +277,54 @@ class GemvBf16:
         return torch.ops.baton.gemv_bf16(x.contiguous(), w_tiled, out_features, bias, self.kind)
 
 
+def torch_int4_form() -> int | None:
+    """How torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) dequantizes
+    in this process, as gemv_q4.c numbers it: 0 at torch's AVX-512
+    capability (w = fma(q - 8, scale, zero)), 1 at AVX2 (w = fma(q, scale,
+    fma(scale, -8, zero))); None for any other capability (its scalar loop
+    rounds products and sums apart), where no native int4 gemv reproduces it."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    return {"AVX512": 0, "AVX2": 1}.get(capability)
+
+
+class GemvQ4:
+    """y = x @ W^T (+ bias) for up to ``max_rows`` bfloat16 rows and int4
+    weights in the native panels (``backends.quantization.int4.int4_panels``),
+    bit-identical to Int4Linear (torch's int4 kernel) with bfloat16
+    activations: y = bf16(bf16(x @ W^T) + bias). ``form``: torch_int4_form()."""
+
+    max_rows = 4  # BATON_GEMV_MAX_ROWS
+
+    def __init__(self, kind: str, form: int) -> None:
+        ok, reason = available(kind)
+        if not ok:
+            raise RuntimeError(reason)
+        self.form = form
+        self._fn = getattr(library(), f"baton_gemv_q4_{kind}")
+        self._fn.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise ValueError(f"GemvQ4 takes bfloat16 rows [M, K], got {x.dtype} {tuple(x.shape)}")
+        m, k = x.shape
+        expected = (-(-out_features // 64), k // group_size, 32 * group_size + 256)
+        if panels.dtype != torch.uint8 or tuple(panels.shape) != expected:
+            raise ValueError(f"int4 panels of shape {tuple(panels.shape)} do not hold a "
+                             f"{out_features}x{k} matrix in groups of {group_size}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != out_features):
+            raise ValueError("GemvQ4's bias is bfloat16 [out_features]")
+        x = x.contiguous()
+        y = x.new_empty(m, out_features)
+        rc = self._fn(x.data_ptr(), panels.data_ptr(), _ptr(bias), y.data_ptr(), m,
+                      out_features, k, group_size, self.form, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"gemv_q4 refused {m} rows of width {k}, group {group_size} "
+                               f"(code {rc})")
+        return y
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -302,14 +350,16 @@ class _Model(ctypes.Structure):
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
         "block_size", "kv_bf16", "act_bf16")],
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("cos_table", _p), ("sin_table", _p), ("final_norm", _p), ("layers", _p)]
+        ("cos_table", _p), ("sin_table", _p), ("final_norm", _p), ("layers", _p),
+        ("int4_group", _i64), ("int4_form", _i64)]
 
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
     """One layer's tensors for ``DecodeBf16``: norms and bias float32 (bf16
     values widened, for bf16 activations); caches float32 or bfloat16 (all
-    layers alike); matrices tiled bfloat16 (``GemvBf16.tile``); bias and q/k
+    layers alike); matrices tiled bfloat16 (``GemvBf16.tile``) or, for a
+    DecodeBf16 of int4 weights, int4 panels (``int4_panels``); bias and q/k
     norms optional."""
 
     input_norm: torch.Tensor
@@ -328,7 +378,9 @@ class DecodeLayerWeights:
 class DecodeBf16:
     """A whole decode step (every layer and the final norm) in one native call,
     for up to ``max_rows`` single-token rows and bfloat16 weights
-    (decode_bf16.c). ``activation_dtype`` float32: float32 arithmetic and
+    (decode_bf16.c), or int4 ones (``int4_group`` > 0: the layers' matrices
+    are int4 panels in groups of that size, multiplied bit-identically to
+    torch's int4 kernel of form ``int4_form``, see torch_int4_form). ``activation_dtype`` float32: float32 arithmetic and
     activations (the bf16-weights mode of CPUs without native bf16);
     bfloat16: every activation rounded to bf16 where the layer-by-layer bf16
     path rounds it (CPUs with native bf16). Holds references to every tensor
@@ -339,11 +391,15 @@ class DecodeBf16:
                  head_dim: int, intermediate: int, block_size: int, eps: float,
                  cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
                  layers: list[DecodeLayerWeights],
-                 activation_dtype: torch.dtype = torch.float32) -> None:
+                 activation_dtype: torch.dtype = torch.float32,
+                 int4_group: int = 0, int4_form: int = 0) -> None:
         if activation_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"DecodeBf16 computes float32 or bfloat16 activations, "
                              f"not {activation_dtype}")
         self.activation_dtype = activation_dtype
+        if int4_group and (int4_group % 2 or int4_form not in (0, 1)):
+            raise ValueError(f"int4 panels need an even group size and form 0 or 1, got "
+                             f"{int4_group} and {int4_form}")
         if cos_table.dtype != activation_dtype or sin_table.dtype != activation_dtype:
             raise ValueError("DecodeBf16's rotary tables must be in the activation dtype")
         ok, reason = available(kind)
@@ -382,7 +438,8 @@ class DecodeBf16:
             act_bf16=int(activation_dtype == torch.bfloat16),
             eps=eps, scale=head_dim ** -0.5,
             cos_table=cos_table.data_ptr(), sin_table=sin_table.data_ptr(),
-            final_norm=final_norm.data_ptr(), layers=ctypes.addressof(self._layers))
+            final_norm=final_norm.data_ptr(), layers=ctypes.addressof(self._layers),
+            int4_group=int4_group, int4_form=int4_form)
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,

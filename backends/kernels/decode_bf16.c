@@ -38,7 +38,7 @@
 
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias, *q_norm, *k_norm;  /* bias, q/k norms may be NULL */
-    const uint16_t *qkv_w, *o_w, *gate_up_w, *down_w;                   /* tiled bf16 */
+    const uint16_t *qkv_w, *o_w, *gate_up_w, *down_w;  /* tiled bf16, or int4 panels */
     void *k_cache, *v_cache;                     /* [slots, KVH, D], float32 or bf16 */
 } baton_layer;
 
@@ -50,6 +50,11 @@ typedef struct {
     const void *cos_table, *sin_table;    /* [positions, D]: float32, bf16 for act_bf16 */
     const float *final_norm;
     const baton_layer *layers;
+    /* > 0: the layers' four matrices are int4 panels (gemv_q4.c) in groups
+     * of this many inputs, multiplied as torch's int4 kernel does (bf16
+     * input rows, bf16 results, bias added after that rounding) in
+     * int4_form; 0: tiled bf16. */
+    int64_t int4_group, int4_form;
 } baton_model;
 
 /* The caller's mirror of the two structs (ctypes) checks its sizes here. */
@@ -87,6 +92,11 @@ static inline void norm_row(const baton_model *m, float *x, const float *delta, 
  * values), zero-padded. */
 static inline void gemv_input(const baton_model *m, const float *x, float *xp, uint16_t *xb,
                               int64_t K) {
+    if (m->int4_group) {  /* the int4 gemv's rows: x rounded to bf16 values */
+        memcpy(xp, x, sizeof(float) * K);
+        if (!m->act_bf16) baton_round_bf16_row(xp, K);
+        return;
+    }
 #ifdef BATON_GEMV_DP
     if (m->act_bf16) {
         const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
@@ -104,6 +114,12 @@ static inline void gemv_input(const baton_model *m, const float *x, float *xp, u
 static inline void gemv(const baton_model *m, const float *xp, const uint16_t *xb,
                         const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
                         int64_t K) {
+    if (m->int4_group) {
+        baton_gemv_q4_tiles(xp, baton_round_up(K, BATON_GEMV_TILE_COLS), (const uint8_t *)w,
+                            bias, y, M, N, K, m->int4_group, (int)m->int4_form,
+                            (int)m->act_bf16);
+        return;
+    }
 #ifdef BATON_GEMV_DP
     if (m->act_bf16) {
         baton_gemv_tiles_bf16x(xb, w, bias, y, M, N, K);
@@ -119,6 +135,10 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                       const int64_t *block_tables, int64_t max_blocks,
                       const int64_t *ctx_lens, int64_t max_ctx, float *out, int num_threads) {
     if (M < 1 || M > BATON_GEMV_MAX_ROWS) return 1;
+    if (m->int4_group && (m->int4_group % 2 || m->hidden % m->int4_group ||
+                          (m->num_heads * m->head_dim) % m->int4_group ||
+                          m->intermediate % m->int4_group))
+        return 1;
     if (m->num_kv_heads < 1 || m->num_heads % m->num_kv_heads != 0 || m->head_dim > 1024)
         return 1;
     const int64_t Hd = m->hidden, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim;

@@ -37,6 +37,8 @@
 #define baton_kernels_avx2 BATON_FN(baton_kernels_avx2)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
 #define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
+#define baton_gemv_q4_tiles BATON_FN(baton_gemv_q4_tiles)
+#define baton_gemv_q4 BATON_FN(baton_gemv_q4)
 
 #include <math.h>
 #include <stdint.h>
@@ -317,5 +319,16 @@ void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, flo
 void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
                             int64_t M, int64_t N, int64_t K);
 #endif
+
+/* ------------------------------------------------------- int4 gemv */
+/* Int4 weights in panels of 64 output rows (gemv_q4.c, which also says how
+ * they round). y [M, N] = bf16(x @ W^T) (+ bias, rounded to bf16 again when
+ * round_out) for x [M, K] float32 rows of bf16 values with row stride ldx;
+ * G the group size, form 0 or 1 the dequantization torch's int4 kernel
+ * uses on this machine. Worksharing loop, like baton_gemv_tiles. */
+#define BATON_Q4_PANEL_ROWS 64
+void baton_gemv_q4_tiles(const float *x, int64_t ldx, const uint8_t *w, const float *bias,
+                         float *y, int64_t M, int64_t N, int64_t K, int64_t G, int form,
+                         int round_out);
 
 #endif
