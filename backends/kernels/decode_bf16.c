@@ -27,7 +27,12 @@
  * reference's order, as bf16_ops.c), each linear's output, q after rotary,
  * attention's output, silu(gate) * up. The step then computes what the bf16
  * kernels and oneDNN's bf16 linears compute, in another summation order;
- * builds for AVX512_BF16 multiply with VDPBF16PS (gemv_bf16.c). Norm weights
+ * builds for AVX512_BF16 multiply with VDPBF16PS (gemv_bf16.c).
+ *
+ * With int4 weights (int4_group > 0: int4 and Q4 GGUF projections) the four
+ * matrices are gemv_q4.c's panels instead, multiplied as torch's int4 kernel
+ * multiplies (each linear's input and output rounded to bf16, bias added
+ * after that rounding), in float32 or bf16 activations alike. Norm weights
  * and bias are passed as float32 either way (bf16 values widened, for
  * act_bf16); the rotary tables are the model's own, bf16 for act_bf16.
  */
