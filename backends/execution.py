@@ -18,7 +18,9 @@ Two kinds of decision, kept apart on purpose:
 A CPU *kind* names what the hand-written kernels may use: ``portable``
 (plain C, any CPU), ``avx2`` (AVX2 + FMA), ``avx512`` (AVX-512 F/BW/VL/DQ),
 ``avx512_bf16`` (plus AVX512_BF16: native bfloat16 arithmetic). AMX is not a
-kind: oneDNN uses it for bfloat16 matmuls when present. A lower kind can be
+kind: oneDNN uses it for bfloat16 matmuls when present, and the avx512_bf16
+build has an AMX tile linear for decode batches (``amx_linear_rows``) that the
+plan takes where the CPU and the OS allow tile data. A lower kind can be
 forced (``ExecutionOptions.cpu_kind``) to run and test its path on a CPU that
 could do more; a kind the CPU cannot run is refused.
 
@@ -42,6 +44,11 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZED_LINEARS = ("int8", "int4", "gguf")
 # GGML types the gguf mode keeps as int4 groups (backends/quantization/ggml.py)
 INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+# Rows the AMX tile linear (backends/kernels/amx_bf16.c) takes above the
+# gemv's few: a decode batch. Measured against oneDNN's bf16 linear on a
+# model's worth of streamed weights (docs/benchmarks.md): ahead at 8-32 rows,
+# even at 64; prefill chunks (hundreds of rows) stay on oneDNN.
+AMX_LINEAR_ROWS = 32
 
 
 class ExecutionError(ModelLoadError):
@@ -121,6 +128,7 @@ class ExecutionOptions:
     fast_paths: bool = True
     cpu_kind: str = "auto"
     tensor_parallel_size: int = 1
+    amx: bool = True  # False: oneDNN takes every batch the gemv does not (tests, benchmarks)
 
     def __post_init__(self) -> None:
         if self.cpu_kind != "auto" and self.cpu_kind not in CPU_KINDS:
@@ -141,6 +149,7 @@ class Availability:
     # "avx512" or "avx2", the forms the native int4 gemv reproduces), or the
     # capability it runs at when it is neither ("default", ...).
     torch_int4: str = "avx512"
+    amx_tiles: bool = False  # the avx512_bf16 kernels' AMX tile linear runs here
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +179,7 @@ class ExecutionPlan:
     activation: str = "torch"        # act(gate)*up: native | torch
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
+    amx_linear_rows: int = 0         # max rows of the AMX tile linear (above the gemv's); 0 off
     notes: tuple[str, ...] = field(default=())
     weight_formats: tuple[str, ...] = ()  # a GGUF's projection formats (GGML types)
     # What the architecture adds (see ModelConfig); "none" where it has none.
@@ -211,6 +221,8 @@ class ExecutionPlan:
         if self.whole_step_decode:
             parts.append(f"whole-step decode <= {self.whole_step_decode} rows"
                          + (" of int4 panels" if self.whole_step_weights == "int4" else ""))
+        if self.amx_linear_rows:
+            parts.append(f"amx-tile linear <= {self.amx_linear_rows} rows")
         if self.quantization != "none":
             formats = f" ({'+'.join(self.weight_formats)})" if self.weight_formats else ""
             parts.insert(1, f"quantization {self.quantization}{formats}")
@@ -355,6 +367,11 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     elif native and quantization == "gguf" and weight_formats:
         notes.append(f"no whole-step decode (projections {'+'.join(sorted(weight_formats))} "
                      f"are not all 4-bit groups)")
+    # Decode batches above the gemv's rows: the AMX tile linear on the same
+    # tiles (bf16 activations only; same rounding as oneDNN's bf16 linear).
+    amx_rows = (AMX_LINEAR_ROWS if whole_step and activation == "bfloat16" and cpu.amx_bf16
+                and kernels == "avx512_bf16" and available.amx_tiles and options.amx
+                and whole_weights == "bf16" else 0)
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
                      + (" (no whole-step decode)" if whole_step else ""))
@@ -370,4 +387,5 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         activation="native" if native else "torch",
         whole_step_decode=whole_step, whole_step_weights=whole_weights,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
+        amx_linear_rows=amx_rows,
         notes=tuple(notes))

@@ -56,9 +56,11 @@ def probe_availability(device: str, cpu: CpuFeatures,
                                                 ("bfloat16", torch.bfloat16))
                        if packing_supported(dev, dtype))
     ok, reason = kernels.available(cpu.kind)
+    amx = ok and cpu.amx_bf16 and kernels.amx_ready(cpu.kind)[0]
     return Availability(native_kernels=frozenset({cpu.kind}) if ok else frozenset(),
                         onednn_dtypes=onednn, reason=reason,
-                        torch_int4=torch.backends.cpu.get_cpu_capability().lower())
+                        torch_int4=torch.backends.cpu.get_cpu_capability().lower(),
+                        amx_tiles=amx)
 
 
 def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None,

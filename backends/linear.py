@@ -101,14 +101,18 @@ class Bf16WeightLinear(nn.Module):
 
     Either way the batch size changes only the summation order. The tiles are
     a second copy of the weights beside oneDNN's: it is what the whole-step
-    decode (backends/kernels/decode_bf16.c) streams.
+    decode (backends/kernels/decode_bf16.c) streams, and, given ``amx`` (bf16
+    weights on a CPU with AMX tiles), what the AMX tile linear multiplies for
+    batches up to ``amx.max_rows`` (decode steps); larger ones take oneDNN.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv,
+                 amx=None) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.gemv = gemv
+        self.amx = amx if weight.dtype == torch.bfloat16 else None
         act = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
         w16 = weight.detach().to(torch.bfloat16)
         # The gemv kernel's tiled layout (rows padded to 8, columns to 16).
@@ -122,6 +126,8 @@ class Bf16WeightLinear(nn.Module):
             return x.new_empty(0, self.out_features)
         if x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
             return self.gemv(x, self.weight_tiled, self.out_features, self.bias)
+        if self.amx is not None and x.dim() == 2 and x.shape[0] <= self.amx.max_rows:
+            return self.amx(x, self.weight_tiled, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
                                                   "none", [], "")
 
@@ -141,22 +147,27 @@ def swap_linears(model: nn.Module, plan) -> int:
     (``model.layers``, ``model.lm_head``) the implementation ``plan`` names
     (backends/execution.py): ``onednn`` / ``onednn-f32-copy`` PackedLinear,
     ``bf16-gemv+onednn`` Bf16WeightLinear (float32 weights of bf16 values, or
-    bf16 weights: the model's activation dtype); ``torch`` and the quantized
+    bf16 weights: the model's activation dtype; with ``amx_linear_rows`` its
+    decode batches on the AMX tile linear); ``torch`` and the quantized
     kinds keep what loading put there. Returns how many layer linears
     changed."""
     make = None
+    amx = None
+    if plan.amx_linear_rows:
+        from backends.kernels import LinearAmx
+        amx = LinearAmx(plan.kernels, plan.amx_linear_rows)
     if plan.linear in ("onednn", "onednn-f32-copy"):
         make = PackedLinear
     elif plan.linear == "bf16-gemv+onednn":
         from backends.kernels import GemvBf16
         gemv = GemvBf16(plan.kernels)
-        make = lambda w, b: Bf16WeightLinear(w, b, gemv)  # noqa: E731
+        make = lambda w, b: Bf16WeightLinear(w, b, gemv, amx)  # noqa: E731
     replaced = _replace_linears(model.layers, make) if make is not None else 0
     if type(model.lm_head) is nn.Linear and plan.lm_head != "torch":
         if plan.lm_head == "bf16-gemv+onednn":
             from backends.kernels import GemvBf16
             model.lm_head = Bf16WeightLinear(model.lm_head.weight, None,
-                                             GemvBf16(plan.kernels))
+                                             GemvBf16(plan.kernels), amx)
         else:
             model.lm_head = PackedLinear(model.lm_head.weight, None)
     return replaced

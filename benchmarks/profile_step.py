@@ -48,6 +48,8 @@ def main() -> None:
                     help="run this CPU kind's path (backends/execution.py)")
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
                     help="weight-only quantization (gguf: keep a GGUF file's blocks)")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="decode batches on oneDNN, not the AMX tile linear (backends/execution.py)")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()
@@ -68,7 +70,7 @@ def main() -> None:
         dtype=args.dtype, block_size=bs, num_kv_blocks=num_seqs * blocks_per + 1,
         threads=args.threads, quantization=QuantizationSpec(args.quantization),
         execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
-                                   cpu_kind=args.cpu_kind)))
+                                   cpu_kind=args.cpu_kind, amx=not args.no_amx)))
     print(f"plan: {backend.plan.describe()}")
     params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)

@@ -48,7 +48,8 @@ log = logging.getLogger("baton.kernels")
 
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
-    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "gemv_q4.c", "decode_bf16.c")]
+    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "gemv_q4.c", "decode_bf16.c",
+    "amx_bf16.c")]
 _HEADERS = [_HERE / "kernels.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
@@ -239,6 +240,10 @@ def _register_fakes() -> None:
     def _gemv(x, w_tiled, out_features, bias, kind):
         return x.new_empty(x.shape[0], out_features)
 
+    @fake("baton::linear_amx")
+    def _linear_amx(x, w_tiled, out_features, bias, kind):
+        return x.new_empty(x.shape[0], out_features)
+
 
 class GemvBf16:
     """y = x @ W^T (+ bias) for up to ``max_rows`` rows and bfloat16 weights,
@@ -323,6 +328,39 @@ class GemvQ4:
             raise RuntimeError(f"gemv_q4 refused {m} rows of width {k}, group {group_size} "
                                f"(code {rc})")
         return y
+
+
+def amx_ready(kind: str) -> tuple[bool, str]:
+    """Whether ``kind``'s kernels have the AMX tile linear here: only the
+    avx512_bf16 build has it, and it needs AMX-BF16 and the OS's leave to use
+    tile data (Linux grants it per process on request). With the reason when
+    not."""
+    ok, reason = available(kind)
+    if not ok:
+        return False, reason
+    if not torch.ops.baton.amx_ready(kind_id(kind)):
+        return False, (f"the {kind} kernels have no AMX tile linear" if kind != "avx512_bf16"
+                       else "this CPU or OS gives no AMX-BF16 tile data")
+    return True, ""
+
+
+class LinearAmx:
+    """y = x @ W^T (+ bias) on AMX tiles (``torch.ops.baton.linear_amx``,
+    amx_bf16.c) for bfloat16 rows, reading ``GemvBf16.tile(W)``: float32
+    accumulation, the output rounded once to bf16 (as oneDNN's bf16 linear).
+    ``max_rows``: the most rows the plan gives it (a decode batch; oneDNN
+    takes prefill chunks)."""
+
+    def __init__(self, kind: str, max_rows: int) -> None:
+        ok, reason = amx_ready(kind)
+        if not ok:
+            raise RuntimeError(reason)
+        self.kind = kind_id(kind)
+        self.max_rows = max_rows
+
+    def __call__(self, x: torch.Tensor, w_tiled: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.baton.linear_amx(x.contiguous(), w_tiled, out_features, bias, self.kind)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -35,6 +35,8 @@
 #define baton_gemv_bf16_act16 BATON_FN(baton_gemv_bf16_act16)
 #define baton_gemv_bf16_max_rows BATON_FN(baton_gemv_bf16_max_rows)
 #define baton_kernels_avx2 BATON_FN(baton_kernels_avx2)
+#define baton_amx_bf16_ready BATON_FN(baton_amx_bf16_ready)
+#define baton_linear_amx_bf16 BATON_FN(baton_linear_amx_bf16)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
 #define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
 #define baton_gemv_q4_tiles BATON_FN(baton_gemv_q4_tiles)

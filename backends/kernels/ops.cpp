@@ -45,7 +45,10 @@ extern "C" {
                              int64_t, int64_t, int);                                        \
   int baton_gemv_bf16_act16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
                                    uint16_t*, int64_t, int64_t, int64_t, int);              \
-  int baton_gemv_bf16_max_rows_##kind(void);
+  int baton_gemv_bf16_max_rows_##kind(void);                                                 \
+  int baton_amx_bf16_ready_##kind(void);                                                     \
+  int baton_linear_amx_bf16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
+                                   uint16_t*, int64_t, int64_t, int64_t, int);
 BATON_DECLARE(portable)
 #ifndef BATON_PORTABLE_ONLY
 BATON_DECLARE(avx2)
@@ -84,6 +87,11 @@ decltype(&baton_gemv_bf16_act16_portable) const gemv_bf16_act16[] =
     BATON_TABLE(baton_gemv_bf16_act16);
 decltype(&baton_gemv_bf16_max_rows_portable) const gemv_max_rows[] =
     BATON_TABLE(baton_gemv_bf16_max_rows);
+
+decltype(&baton_amx_bf16_ready_portable) const amx_ready_fn[] =
+    BATON_TABLE(baton_amx_bf16_ready);
+decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
+    BATON_TABLE(baton_linear_amx_bf16);
 
 bool cpu_runs(int kind) {
 #if defined(BATON_PORTABLE_ONLY) || !(defined(__x86_64__) || defined(__i386__))
@@ -315,6 +323,45 @@ at::Tensor gemv_bf16_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t 
   return y;
 }
 
+bool kind_runs(int64_t kind);
+
+// y = x @ W^T (+ bias) on AMX tiles (amx_bf16.c) for bf16 rows x [M, K] and
+// the gemv's tiled bf16 weights; y bf16, rounded once from the float32 sum.
+// Only the avx512_bf16 kind has the tile code, and only where amx_ready says
+// the CPU and the OS allow tile data.
+at::Tensor linear_amx_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t out_features,
+                         const std::optional<at::Tensor>& bias, int64_t kind) {
+  const int k = check_kind(kind);
+  TORCH_CHECK(amx_ready_fn[k](), "baton: the ", kKindNames[k],
+              " kernels have no AMX tile linear on this CPU");
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "baton: linear_amx takes bfloat16 x [M, K]");
+  const int64_t m = x.size(0), kk = x.size(1);
+  check_cpu(w_tiled, "w_tiled");
+  TORCH_CHECK(w_tiled.scalar_type() == at::kBFloat16 && w_tiled.dim() == 4 &&
+                  w_tiled.size(0) * 8 >= out_features &&
+                  w_tiled.size(0) * 8 < out_features + 8 &&
+                  w_tiled.size(1) * 16 == (kk + 15) / 16 * 16,
+              "baton: w_tiled must be the tiled bf16 layout of a [", out_features, ", ", kk,
+              "] matrix");
+  if (bias) {
+    check_like(*bias, x, "bias");
+    TORCH_CHECK(bias->numel() == out_features, "baton: bias must hold out_features values");
+  }
+  at::Tensor y = at::empty({m, out_features}, x.options());
+  if (m == 0) return y;
+  const int rc = linear_amx_fn[k](static_cast<const uint16_t*>(x.data_ptr()),
+                                  static_cast<const uint16_t*>(w_tiled.data_ptr()),
+                                  bias ? static_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+                                  static_cast<uint16_t*>(y.data_ptr()), m, out_features, kk,
+                                  threads());
+  check_rc(rc, "linear_amx");
+  return y;
+}
+
+bool amx_ready(int64_t kind) { return kind_runs(kind) && amx_ready_fn[kind](); }
+
 bool kind_runs(int64_t kind) { return kind >= 0 && kind < kNumKinds && cpu_runs(kind); }
 
 }  // namespace
@@ -332,7 +379,10 @@ TORCH_LIBRARY(baton, m) {
         "int kind) -> Tensor");
   m.def("gemv_bf16(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
         "-> Tensor");
+  m.def("linear_amx(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
+        "-> Tensor");
   m.def("kind_runs(int kind) -> bool", kind_runs);
+  m.def("amx_ready(int kind) -> bool", amx_ready);
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
@@ -341,4 +391,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("qkv_rope_store", qkv_rope_store);
   m.impl("paged_decode_attention", paged_decode_attention);
   m.impl("gemv_bf16", gemv_bf16_op);
+  m.impl("linear_amx", linear_amx_op);
 }

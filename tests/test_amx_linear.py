@@ -1,0 +1,180 @@
+"""The AMX tile linear (backends/kernels/amx_bf16.c): decode batches of bf16
+rows on the gemv's tiled bf16 weights, where the CPU has AMX-BF16 and the OS
+lets the process use tile data. It must compute what oneDNN's bf16 linear
+computes (float32 sums of exact products, plus bias, rounded once to bf16):
+only the summation order may differ. Where the CPU has no AMX the tests that
+run it skip with that reason; the refusal of every other kind, the plan and
+the routing by rows are checked everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends import kernels as native
+from backends.execution import (AMX_LINEAR_ROWS, CPU_KINDS, Availability, CpuFeatures,
+                                ExecutionOptions, make_plan)
+from backends.factory import BackendConfig, create_backend
+from backends.loader import load_model
+
+from tests.test_cpu_kernels import CPU, _kind_or_skip, _run
+
+AMX = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True, amx_bf16=True)
+ZEN4 = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True)
+ALL = Availability(native_kernels=frozenset(CPU_KINDS),
+                   onednn_dtypes=frozenset({"float32", "bfloat16"}), amx_tiles=True)
+
+
+def _amx_or_skip() -> native.LinearAmx:
+    if not CPU.amx_bf16:
+        pytest.skip(f"this CPU ({CPU.describe()}) has no AMX-BF16")
+    _kind_or_skip("avx512_bf16")
+    ok, reason = native.amx_ready("avx512_bf16")
+    if not ok:
+        pytest.skip(f"no AMX tile linear here: {reason}")
+    return native.LinearAmx("avx512_bf16", AMX_LINEAR_ROWS)
+
+
+def _close_to_rounded_reference(y, x16, w16, b16):
+    """Each value the float64 reference rounded to bf16, or one bf16 step
+    from it (another summation order); nearly all of them exact."""
+    ref = F.linear(x16.double(), w16.double(), None if b16 is None else b16.double())
+    exact = (y.double() == ref.to(torch.bfloat16).double()).float().mean().item()
+    assert exact >= 0.95, exact
+    torch.testing.assert_close(y.double(), ref, atol=1e-6, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 77), (24, 1030)])
+def test_amx_linear_rounds_once_like_onednn(rows, out_features, in_features):
+    """Odd shapes included: features not a multiple of 8 or 16, columns not a
+    multiple of 16 (or of 2), rows not a multiple of 16 and above 32 (more
+    than one pass over the row blocks)."""
+    amx = _amx_or_skip()
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x16 = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    b16 = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    tiled = native.GemvBf16.tile(w16)
+    for bias in (b16, None):
+        y = amx(x16, tiled, out_features, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        _close_to_rounded_reference(y, x16, w16, bias)
+    # oneDNN's bf16 linear on the same values: the same results up to order.
+    onednn = F.linear(x16, w16, b16)
+    torch.testing.assert_close(amx(x16, tiled, out_features, b16).double(), onednn.double(),
+                               atol=1e-6, rtol=2 ** -7)
+
+
+def test_amx_linear_checks_its_inputs():
+    amx = _amx_or_skip()
+    w = native.GemvBf16.tile(torch.randn(40, 32).to(torch.bfloat16))
+    x = torch.randn(6, 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        amx(x.float(), w, 40)
+    with pytest.raises(RuntimeError, match="tiled bf16 layout"):
+        amx(x, w, 64)
+    with pytest.raises(RuntimeError, match="bias"):
+        amx(x, w, 40, torch.randn(40))
+    assert amx(x[:0], w, 40).shape == (0, 40)
+
+
+@pytest.mark.parametrize("kind", [k for k in CPU_KINDS if k != "avx512_bf16"])
+def test_other_kinds_have_no_amx_linear(kind):
+    """Only the avx512_bf16 build has the tile code: every other kind says
+    so (and its operator refuses) rather than computing something else."""
+    kind = _kind_or_skip(kind)
+    ok, reason = native.amx_ready(kind)
+    assert not ok and "no AMX tile linear" in reason
+    with pytest.raises(RuntimeError, match="no AMX tile linear"):
+        torch.ops.baton.linear_amx(torch.zeros(5, 16, dtype=torch.bfloat16),
+                                   torch.zeros(1, 1, 8, 16, dtype=torch.bfloat16), 8, None,
+                                   native.kind_id(kind))
+    with pytest.raises(RuntimeError, match="no AMX"):
+        native.LinearAmx(kind, 32)
+
+
+class _Counting:
+    def __init__(self, fn) -> None:
+        self.fn, self.max_rows, self.rows = fn, fn.max_rows, []
+        self.tile = getattr(fn, "tile", None)
+
+    def __call__(self, x, *args):
+        self.rows.append(x.shape[0])
+        return self.fn(x, *args)
+
+
+def test_bf16_weight_linear_gives_decode_batches_to_amx():
+    """Up to the gemv's rows: the gemv; then up to AMX_LINEAR_ROWS: the tile
+    linear; larger batches (prefill chunks): oneDNN. A row's result is the
+    same, to the last bf16 step, whichever path its batch took."""
+    from backends.linear import Bf16WeightLinear
+    amx = _Counting(_amx_or_skip())
+    gemv = _Counting(native.GemvBf16("avx512_bf16"))
+    gen = torch.Generator().manual_seed(21)
+    w = torch.randn(80, 48, generator=gen).to(torch.bfloat16)
+    b = torch.randn(80, generator=gen).to(torch.bfloat16)
+    layer = Bf16WeightLinear(w, b, gemv, amx)
+    x = torch.randn(40, 48, generator=gen).to(torch.bfloat16)
+    for n in (1, 4, 5, 32, 33, 40):
+        _close_to_rounded_reference(layer(x[:n]), x[:n], w, b)
+    assert gemv.rows == [1, 4] and amx.rows == [5, 32]
+    for n in (1, 5, 33):
+        torch.testing.assert_close(layer(x[:n])[0].double(), layer(x)[0].double(),
+                                   atol=1e-6, rtol=2 ** -7)
+    # float32 weights of bf16 values (CPUs without native bf16) never take it
+    assert Bf16WeightLinear(w.float(), b.float(), gemv, amx).amx is None
+
+
+def test_plan_gives_decode_batches_to_amx_only_where_it_runs():
+    """Native bf16 with AMX tiles available: decode batches above the gemv's
+    rows on the tile linear, the same numerics either way. Not without AMX
+    (the AVX512_BF16 EPYC kind), nor without the OS's leave (amx_tiles), nor
+    when turned off, nor for float32 or the bf16-weights mode."""
+    plan = make_plan("cpu", "bfloat16", "none", AMX, ALL)
+    assert plan.amx_linear_rows == AMX_LINEAR_ROWS
+    assert f"amx-tile linear <= {AMX_LINEAR_ROWS} rows" in plan.describe()
+    no_tiles = Availability(native_kernels=ALL.native_kernels, onednn_dtypes=ALL.onednn_dtypes)
+    others = [make_plan("cpu", "bfloat16", "none", ZEN4, ALL),
+              make_plan("cpu", "bfloat16", "none", AMX, no_tiles),
+              make_plan("cpu", "bfloat16", "none", AMX, ALL, ExecutionOptions(amx=False)),
+              make_plan("cpu", "bfloat16", "none", AMX, ALL, ExecutionOptions(cpu_kind="avx2")),
+              make_plan("cpu", "float32", "none", AMX, ALL),
+              make_plan("cpu", "bfloat16", "int8", AMX, ALL),
+              make_plan("cpu", "bfloat16", "none", AMX, ALL,
+                        ExecutionOptions(fast_paths=False))]
+    assert [p.amx_linear_rows for p in others] == [0] * len(others)
+    for p in others[:3]:
+        assert (p.activation_dtype, p.weight_dtype, p.kv_dtype, p.linear) == (
+            plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, plan.linear)
+
+
+def _backend(path, amx: bool):
+    loaded = load_model(path, dtype=torch.bfloat16)
+    return create_backend(loaded, BackendConfig(
+        dtype="bfloat16", block_size=4, num_kv_blocks=80,
+        execution=ExecutionOptions(amx=amx)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_amx_decode_batches_agree_with_onednn(request, arch):
+    """A native-bf16 backend whose decode batches of 5-8 rows run on the AMX
+    tile linear against the same plan on oneDNN: the same greedy tokens and
+    logprobs to bf16 precision (only the summation order differs)."""
+    _amx_or_skip()
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    fast, onednn = _backend(path, amx=True), _backend(path, amx=False)
+    assert fast.plan.amx_linear_rows == AMX_LINEAR_ROWS and onednn.plan.amx_linear_rows == 0
+    counting = _Counting(fast.model.lm_head.amx)
+    for module in [*fast.model.modules()]:
+        if getattr(module, "amx", None) is not None:
+            module.amx = counting
+    gen = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist()
+               for n in (1, 9, 3, 6, 2, 5, 7, 4)]
+    ids_a, lp_a = _run(fast, prompts, 8)
+    ids_b, lp_b = _run(onednn, prompts, 8)
+    assert counting.rows and set(counting.rows) == {len(prompts)}
+    assert ids_a == ids_b
+    torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
