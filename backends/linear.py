@@ -126,7 +126,8 @@ class Bf16WeightLinear(nn.Module):
             return x.new_empty(0, self.out_features)
         if x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
             return self.gemv(x, self.weight_tiled, self.out_features, self.bias)
-        if self.amx is not None and x.dim() == 2 and x.shape[0] <= self.amx.max_rows:
+        if (self.amx is not None and self.amx.enabled and x.dim() == 2
+                and x.shape[0] <= self.amx.max_rows):
             return self.amx(x, self.weight_tiled, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
                                                   "none", [], "")

@@ -149,6 +149,9 @@ class TorchBackend:
              zeros_lazily(shape, self.kv_dtype, self.device))
             for _ in range(self.config.num_layers)]
         self._whole_step = self._native_decode() if plan.whole_step_decode else None
+        # The AMX tile linear the linears share (swap_linears), if the plan has one.
+        self._amx = next((m.amx for m in self.model.modules()
+                          if getattr(m, "amx", None) is not None), None)
 
         # A fixed thread count, or (None, on CPU) one that follows what other
         # processes leave free. A tensor-parallel rank keeps the cores and
@@ -331,6 +334,8 @@ class TorchBackend:
         timings.prepare = t1 - t0
 
         whole = self._whole_step
+        if self._amx is not None:  # decode steps only (LinearAmx.enabled)
+            self._amx.enabled = not meta.prefills
         if (whole is not None and not meta.prefills
                 and meta.num_decode == input_ids.shape[0] <= whole.max_rows):
             hidden = whole(self.model.embed(input_ids), positions, meta.slot_mapping,

@@ -348,8 +348,10 @@ class LinearAmx:
     """y = x @ W^T (+ bias) on AMX tiles (``torch.ops.baton.linear_amx``,
     amx_bf16.c) for bfloat16 rows, reading ``GemvBf16.tile(W)``: float32
     accumulation, the output rounded once to bf16 (as oneDNN's bf16 linear).
-    ``max_rows``: the most rows the plan gives it (a decode batch; oneDNN
-    takes prefill chunks)."""
+    ``max_rows``: the most rows the plan gives it (a decode batch).
+    ``enabled``: whether the linears holding it call it now; the backend
+    enables it for decode steps only, so that prefill rows keep one summation
+    order (oneDNN's) whatever the prefix cache left of their prompt."""
 
     def __init__(self, kind: str, max_rows: int) -> None:
         ok, reason = amx_ready(kind)
@@ -357,6 +359,7 @@ class LinearAmx:
             raise RuntimeError(reason)
         self.kind = kind_id(kind)
         self.max_rows = max_rows
+        self.enabled = True
 
     def __call__(self, x: torch.Tensor, w_tiled: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
