@@ -143,6 +143,7 @@ def test_plan_gives_decode_batches_to_amx_only_where_it_runs():
               make_plan("cpu", "bfloat16", "none", AMX, ALL, ExecutionOptions(cpu_kind="avx2")),
               make_plan("cpu", "float32", "none", AMX, ALL),
               make_plan("cpu", "bfloat16", "int8", AMX, ALL),
+              make_plan("cpu", "bfloat16", "int4", AMX, ALL),
               make_plan("cpu", "bfloat16", "none", AMX, ALL,
                         ExecutionOptions(fast_paths=False))]
     assert [p.amx_linear_rows for p in others] == [0] * len(others)
