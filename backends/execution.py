@@ -170,7 +170,7 @@ class ExecutionPlan:
     cpu: str | None                  # the CPU kind the plan targets (None on CUDA)
     quantization: str
     linear: str                      # torch | onednn | bf16-gemv+onednn | onednn-f32-copy | int8 | int4 | gguf
-    lm_head: str                     # torch | onednn | bf16-gemv+onednn
+    lm_head: str                     # torch | onednn | bf16-gemv+onednn | bf16-gemv+torch
     kernels: str | None              # the native kernels' kind, None for the torch ops
     norm: str                        # native | torch
     rope_kv_store: str               # native | torch
@@ -339,8 +339,15 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     else:
         linear = "onednn" if onednn else "torch"
     # The packed output projection is a second copy of the (often tied)
-    # embedding: twice as fast, but quantized serving is about memory.
-    if quantized or not onednn:
+    # embedding: twice as fast, but quantized serving is about memory: no
+    # oneDNN copy. With bf16 activations and native kernels, the gemv's bf16
+    # tiles for a few rows (SmolLM2's output projection, 57 MB, is as many
+    # bytes as its int4 layers, and the gemv streams it ~2x faster than
+    # torch's one-row matmul) and the weight itself (the tied embedding) for
+    # more: one extra copy, the tiles.
+    if quantized and native and activation == "bfloat16":
+        lm_head = "bf16-gemv+torch"
+    elif quantized or not onednn:
         lm_head = "torch"
     else:
         lm_head = "bf16-gemv+onednn" if linear == "bf16-gemv+onednn" else "onednn"

@@ -143,6 +143,34 @@ def bf16_weights_linears(model: nn.Module, gemv) -> int:
     return _replace_linears(model, lambda w, b: Bf16WeightLinear(w, b, gemv))
 
 
+class TiledHeadLinear(nn.Module):
+    """The output projection of a quantized model in native bf16: the native
+    gemv's bf16 tiles for up to ``gemv.max_rows`` rows (decoding a few
+    sequences, bound by reading the 49k x 576 matrix), ``F.linear`` on the
+    weight it was given (often the tied embedding: no second copy) for more.
+    Both accumulate in float32 and round to bf16; only the summation order
+    differs. The tiles are the one extra copy."""
+
+    def __init__(self, weight: torch.Tensor, gemv) -> None:
+        super().__init__()
+        if weight.dtype != torch.bfloat16:
+            raise ValueError(f"TiledHeadLinear takes a bfloat16 weight, not {weight.dtype}")
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.gemv = gemv
+        self.weight = weight  # the module's own (tied) parameter, not a copy
+        self.register_buffer("weight_tiled", gemv.tile(weight), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and 0 < x.shape[0] <= self.gemv.max_rows:
+            return self.gemv(x, self.weight_tiled, self.out_features)
+        return torch.nn.functional.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bf16 gemv tiles for <= {self.gemv.max_rows} rows")
+
+
 def swap_linears(model: nn.Module, plan) -> int:
     """Give the decoder layers' linear modules and the output projection
     (``model.layers``, ``model.lm_head``) the implementation ``plan`` names
@@ -165,7 +193,10 @@ def swap_linears(model: nn.Module, plan) -> int:
         make = lambda w, b: Bf16WeightLinear(w, b, gemv, amx)  # noqa: E731
     replaced = _replace_linears(model.layers, make) if make is not None else 0
     if type(model.lm_head) is nn.Linear and plan.lm_head != "torch":
-        if plan.lm_head == "bf16-gemv+onednn":
+        if plan.lm_head == "bf16-gemv+torch":
+            from backends.kernels import GemvBf16
+            model.lm_head = TiledHeadLinear(model.lm_head.weight, GemvBf16(plan.kernels))
+        elif plan.lm_head == "bf16-gemv+onednn":
             from backends.kernels import GemvBf16
             model.lm_head = Bf16WeightLinear(model.lm_head.weight, None,
                                              GemvBf16(plan.kernels), amx)

@@ -64,7 +64,7 @@ TABLE = [
     ("avx2-int8", "cpu", "float32", "int8", AVX2, F32_ONEDNN, ExecutionOptions(),
      ("float32", "float32", "float32", "int8", "torch", "avx2", "native", 0)),
     ("avx2-gguf-bf16", "cpu", "bfloat16", "gguf", AVX2, F32_ONEDNN, ExecutionOptions(),
-     ("bfloat16", "bfloat16", "bfloat16", "gguf", "torch", "avx2", "native", 0)),
+     ("bfloat16", "bfloat16", "bfloat16", "gguf", "bf16-gemv+torch", "avx2", "native", 0)),
     ("cuda-bf16", "cuda", "bfloat16", "none", CpuFeatures(), Availability(), ExecutionOptions(),
      ("bfloat16", "bfloat16", "bfloat16", "torch", "torch", None, "torch-sdpa", 0)),
     ("cuda-int4", "cuda:1", "bfloat16", "int4", AMX, ALL, ExecutionOptions(),

@@ -128,6 +128,9 @@ EPYC_AVX2 = CpuFeatures(avx2=True)
 def test_plan_streams_int4_panels_for_4bit_gguf_files_and_int4(cpu, dtype):
     plan = make_plan("cpu", dtype, "gguf", cpu, NATIVE, weight_formats=frozenset({"Q4_1"}))
     assert (plan.linear, plan.whole_step_decode, plan.whole_step_weights) == ("gguf", 4, "int4")
+    # bf16 activations: the output projection's bf16 tiles for a few rows;
+    # float32 ones keep the float32 (unrounded) weight in F.linear
+    assert plan.lm_head == ("bf16-gemv+torch" if dtype == "bfloat16" else "torch")
     assert "quantization gguf (Q4_1)" in plan.describe()
     assert "whole-step decode <= 4 rows of int4 panels" in plan.describe()
     mixed = make_plan("cpu", dtype, "gguf", cpu, NATIVE,
@@ -271,6 +274,11 @@ def test_int4_panels_cost_what_the_int4_weights_cost(q4_gguf, caplog):
             rows = -(-m.out_features // 64) * 64
             assert m.panels.numel() == rows * m.in_features // 2 + rows * m.in_features // 32 * 4
     assert panels <= 1.5 * torch_copy
+    # the output projection's one extra copy is its tiles: F.linear for more
+    # than four rows uses the tied embedding itself
+    head = fast.model.lm_head
+    assert type(head).__name__ == "TiledHeadLinear"
+    assert head.weight.data_ptr() == fast.model.embed_tokens.weight.data_ptr()
     layered = _quantized_backend(q4_gguf, "gguf", "bfloat16", fast_paths=False)
     assert layered.plan.whole_step_decode == 0  # no native kernels: no panels
     assert all(m.panels is None for layer in layered.model.layers
