@@ -12,10 +12,24 @@ int32 word w allows token 32 * w + j); every other token of such a row is set
 to -inf before anything picks, so greedy, sampled, top-k and top-p rows all
 stay inside their grammar while unconstrained rows in the same batch are
 untouched.
+
+A constrained row may instead defer its mask (``DeferredMasks``, llama.cpp's
+order): it picks unmasked first, and only where its grammar rejects that
+token is the mask filled and the row picked again, masked, from the same
+noise. Where the grammar accepts the unmasked pick, that pick is the one the
+masked row would have made: for greedy, the argmax over all tokens is, when
+allowed, the argmax over the allowed ones; for the exponential race the
+masked row compares the same p_j / E_j, up to one positive factor (the
+renormalisation), over a subset that contains the unmasked winner. Top-k,
+top-p and min-p choose their cut from the row's distribution, which the mask
+changes, so a row may defer only where ``mask_can_wait`` says none of them
+acts on it. Penalties, ``logit_bias`` and banned tokens act before the mask
+in both orders.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +43,20 @@ class PenaltyInputs:
     repetition: torch.Tensor       # [P]
     frequency: torch.Tensor        # [P]
     presence: torch.Tensor         # [P]
+
+
+@dataclass(slots=True)
+class DeferredMasks:
+    """Constrained rows that pick unmasked first (see the module docstring).
+
+    ``resolve`` gets the token each of ``rows`` picked unmasked (in order),
+    advances the grammar of every row that accepts its token, and returns
+    the positions (into ``rows``) of those it rejected, with their bitmasks
+    [len(rejected), W] (None when none was rejected). Those rows are then
+    picked again, masked, and their grammar is advanced by the caller."""
+
+    rows: list[int]
+    resolve: Callable[[list[int]], tuple[list[int], torch.Tensor | None]]
 
 
 @dataclass(slots=True)
@@ -48,6 +76,16 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # a seeded row's own generator
     shared_generator: torch.Generator
     num_logprobs: int | None                # max top-N over rows; None: no row wants any
+    deferred: DeferredMasks | None = None   # constrained rows whose mask waits
+
+
+def mask_can_wait(batch: SamplingBatch, greedy_row: bool) -> bool:
+    """Whether a constrained row of ``batch`` may pick unmasked first and
+    still get exactly the token the masked row would: a greedy row always;
+    a sampled row only where no top-k, top-p or min-p acts on the batch
+    (their tensors, when present, act on every row, a disabled one too)."""
+    return (batch.all_greedy or greedy_row
+            or (batch.top_k is None and batch.top_p is None and batch.min_p is None))
 
 
 @dataclass(slots=True)
@@ -74,10 +112,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.allowed is not None:
         apply_token_bitmask(logits, *batch.allowed)
 
+    noise = None
     if batch.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:
-        token_ids = _sample_random(logits, batch)
+        token_ids, noise = _sample_random(logits, batch)
+    if batch.deferred is not None:
+        _resolve_deferred(logits, batch, token_ids, noise)
 
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
@@ -86,6 +127,58 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.num_logprobs:
         top_values, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
     return SamplerOutput(token_ids, chosen, top_ids, top_values)
+
+
+def _resolve_deferred(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor,
+                      noise: torch.Tensor | None) -> None:
+    """Ask the grammar about each deferred row's unmasked pick; pick the
+    rejected rows again with their masks, as the masked path would have:
+    the same processed logits and the same noise, row by row."""
+    deferred = batch.deferred
+    index = torch.tensor(deferred.rows, device=token_ids.device)
+    rejected, bitmask = deferred.resolve(token_ids.index_select(0, index).tolist())
+    if not rejected:
+        return
+    rows = index[torch.tensor(rejected, device=index.device)]
+    bitmask = bitmask.to(logits.device)
+    greedy = batch.all_greedy or (batch.greedy is not None
+                                  and bool(batch.greedy.index_select(0, rows).all()))
+    if greedy:
+        picked = masked_argmax(logits, rows, bitmask)
+    else:
+        sub = logits.index_select(0, rows)
+        apply_token_bitmask(sub, torch.arange(len(rejected), device=sub.device), bitmask)
+        scaled = sub / batch.temperature.index_select(0, rows).unsqueeze(1)
+        picked = (torch.softmax(scaled, dim=-1) / noise.index_select(0, rows)).argmax(dim=-1)
+        if batch.greedy is not None:
+            picked = torch.where(batch.greedy.index_select(0, rows), sub.argmax(dim=-1), picked)
+    token_ids.index_copy_(0, rows, picked)
+
+
+def masked_argmax(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+                  ) -> torch.Tensor:
+    """``logits[rows[i]]`` masked by ``bitmask[i]``, then argmax: the same
+    token, ties included, as ``apply_token_bitmask`` followed by
+    ``argmax``, but reading only the allowed entries (a grammar that forces
+    bytes allows one token, where the full mask costs two passes over the
+    vocabulary a row). The lowest allowed id among the largest values wins,
+    as argmax takes the first; a row whose allowed entries are all -inf (or
+    that allows none) gets 0, as argmax of an all -inf row does."""
+    vocab = logits.shape[-1]
+    num_rows = len(rows)
+    row, word = bitmask.nonzero(as_tuple=True)
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[row, word].unsqueeze(1) >> shifts).bitwise_and_(1).bool()   # [n, 32]
+    tokens = (word.unsqueeze(1) * 32 + shifts)[bits]
+    owner = row.unsqueeze(1).expand(-1, 32)[bits]
+    inside = tokens < vocab
+    tokens, owner = tokens[inside], owner[inside]
+    values = logits[rows[owner], tokens]
+    best = torch.full((num_rows,), float("-inf"), device=logits.device, dtype=logits.dtype)
+    best.scatter_reduce_(0, owner, values, "amax")
+    first = torch.full((num_rows,), vocab, device=logits.device, dtype=torch.long)
+    first.scatter_reduce_(0, owner, torch.where(values == best[owner], tokens, vocab), "amin")
+    return first.masked_fill_(best == float("-inf"), 0)
 
 
 _BYTE_PENALTIES: dict[torch.device, torch.Tensor] = {}
@@ -124,7 +217,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
     logits.index_add_(0, rows, penalty)
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picked ids and the noise drawn for them (clamped)."""
     greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
     scaled = logits / batch.temperature.unsqueeze(1)
     if batch.top_k is not None or batch.top_p is not None:
@@ -137,7 +232,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sampled = (probs / noise).argmax(dim=-1)
     if greedy_ids is not None:
         sampled = torch.where(batch.greedy, greedy_ids, sampled)
-    return sampled
+    return sampled, noise
 
 
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

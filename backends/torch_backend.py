@@ -36,7 +36,8 @@ from backends.ops import build_ops
 from backends.parallel.group import ForwardRow, TensorParallelGroup
 from backends.quantization.spec import QuantizationSpec, projection_formats
 from backends.rope import local_rope_table, rope_table
-from backends.sampler import PenaltyInputs, SamplingBatch, sample
+from backends.sampler import (DeferredMasks, PenaltyInputs, SamplingBatch, mask_can_wait,
+                             sample)
 
 log = logging.getLogger("baton.backend")
 
@@ -102,6 +103,16 @@ class TorchBackend:
         self._bitmasks = BitmaskFiller(self.config.vocab_size)
         self._num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
+        # When a constrained row's mask is filled: None (the default) defers
+        # it where it would otherwise be filled on the step's path (no spare
+        # core: see ``_grammar_rows``); True / False force either order (the
+        # tokens are the same; tests compare them).
+        self.defer_grammar_masks: bool | None = None
+        # Constrained rows sampled so far, by how their mask was handled:
+        # "masked" (filled before picking), "unmasked" (deferred, and the
+        # grammar accepted the unmasked pick: no mask filled), "repicked"
+        # (deferred, rejected, filled and picked again).
+        self.grammar_rows = {"masked": 0, "unmasked": 0, "repicked": 0}
 
         positions = max_positions or self.config.max_position_embeddings
         cos_table, sin_table = rope_table(self.config, positions, act, self.device)
@@ -326,8 +337,7 @@ class TorchBackend:
                                                 for _, first, last, lo in spans])
         input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows)
         batch = self._sampling_batch(sample_rows)
-        constrained = [(i, state.grammar) for i, r in enumerate(sample_rows)
-                       if (state := self._states[r.request_id]).grammar is not None]
+        constrained, waiting = self._grammar_rows(sample_rows, batch)
         masks = self._bitmasks.start([m for _, m in constrained], self._spare_core()) \
             if constrained else None
         t1 = time.perf_counter()
@@ -353,8 +363,12 @@ class TorchBackend:
         # A row with a NaN or an infinity cannot be sampled; its request fails
         # alone (amax propagates NaN). -1 marks it in the one host transfer.
         finite = torch.isfinite(logits.amax(dim=-1))
+        if waiting:
+            repicked = self._defer_masks(batch, waiting, finite)
         out = sample(logits, batch)
         token_ids = out.token_ids.where(finite, -1).tolist()
+        if waiting:
+            constrained += repicked
         for i, matcher in constrained:
             if token_ids[i] >= 0 and not matcher.accept(token_ids[i]):
                 log.error("request %s: token %d rejected by its grammar: %s",
@@ -375,6 +389,61 @@ class TorchBackend:
                 counts[token_id] += 1
         timings.sample = time.perf_counter() - t2
         return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed)
+
+    def _grammar_rows(self, rows: list[ScheduledRequest], batch: SamplingBatch
+                      ) -> tuple[list[tuple[int, GrammarMatcher]],
+                                 list[tuple[int, GrammarMatcher]]]:
+        """The constrained rows of this step's batch as ``(row, matcher)``:
+        those whose mask is filled before sampling, and those that pick
+        unmasked first (backends/sampler.py, ``DeferredMasks``).
+
+        A row defers where the sampler can do so exactly (``mask_can_wait``)
+        and filling its mask up front would cost the step: on a CPU whose
+        cores all run the forward pass. There a mask of a JSON schema costs
+        10-500 us a row (one after another), while checking the unmasked pick
+        costs ~3 us and most picks inside strings and numbers are allowed;
+        with a spare core or a GPU the masks are filled beside the forward
+        pass at no cost to the step, and every row is masked first."""
+        constrained = [(i, state.grammar) for i, r in enumerate(rows)
+                       if (state := self._states[r.request_id]).grammar is not None]
+        defer = self.defer_grammar_masks
+        if defer is None:
+            defer = not self._spare_core()
+        if not constrained or not defer:
+            self.grammar_rows["masked"] += len(constrained)
+            return constrained, []
+        first, waiting = [], []
+        for i, matcher in constrained:
+            wait = mask_can_wait(batch, rows[i].sampling_params.greedy)
+            (waiting if wait else first).append((i, matcher))
+        self.grammar_rows["masked"] += len(first)
+        return first, waiting
+
+    def _defer_masks(self, batch: SamplingBatch, waiting: list[tuple[int, GrammarMatcher]],
+                     finite: torch.Tensor) -> list[tuple[int, GrammarMatcher]]:
+        """Set ``batch.deferred`` for the ``waiting`` rows. The returned list
+        fills, during ``sample``, with the rows the grammar rejected: they are
+        picked again masked and still to be accepted by their matcher."""
+        repicked: list[tuple[int, GrammarMatcher]] = []
+        ok = finite.tolist()
+
+        def resolve(tokens: list[int]) -> tuple[list[int], torch.Tensor | None]:
+            rejected = []
+            for k, ((i, matcher), token) in enumerate(zip(waiting, tokens)):
+                if not ok[i]:
+                    continue  # fails its request; its grammar stays put
+                if matcher.try_accept_unmasked(token):
+                    self.grammar_rows["unmasked"] += 1
+                else:
+                    rejected.append(k)
+                    repicked.append((i, matcher))
+            self.grammar_rows["repicked"] += len(rejected)
+            if not rejected:
+                return [], None
+            return rejected, self._bitmasks.start([m for _, m in repicked], False).result()
+
+        batch.deferred = DeferredMasks([i for i, _ in waiting], resolve)
+        return repicked
 
     def _prompt_logprob_spans(self, rows: list[ScheduledRequest]
                               ) -> list[tuple[ScheduledRequest, int, int, int]]:

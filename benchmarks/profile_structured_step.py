@@ -1,6 +1,6 @@
-"""Where a constrained decode step's extra time goes: two batches of BATCH
-decoding requests on the torch backend, one free and one under a json_schema
-constraint, stepped in turn, with each step split into prepare / forward /
+"""Where a constrained decode step's extra time goes: three batches of BATCH
+decoding requests on the torch backend, one free and two under a json_schema
+constraint (masks filled before sampling, and deferred), stepped in turn, with each step split into prepare / forward /
 sample; then the grammar's own costs timed alone (filling BATCH masks one
 after another and with llguidance's parallel executor, applying them to the
 logits).
@@ -123,21 +123,32 @@ def main() -> None:
     max_ctx = args.context + args.steps + 8
     blocks_per = -(-max_ctx // bs)
     backend = create_backend(loaded, BackendConfig(
-        dtype=args.dtype, block_size=bs, num_kv_blocks=2 * args.batch * blocks_per + 1))
+        dtype=args.dtype, block_size=bs, num_kv_blocks=3 * args.batch * blocks_per + 1))
     print(f"plan: {backend.plan.describe()}; torch threads {torch.get_num_threads()}")
     plain = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     spec = StructuredOutputSpec("json", json.dumps(RECORDS))
     constrained = SamplingParams(temperature=0.0, max_tokens=10**6,
                                  structured=spec)
-    # One batch per kind, stepped in turn (one step each), so both decode at
-    # the same positions and drifts in the machine's speed touch both alike.
+    # One batch per kind, stepped in turn (one step each), so all decode at
+    # the same positions and drifts in the machine's speed touch all alike.
+    # The two constrained batches differ only in when their masks are filled:
+    # before sampling ("masked") or only for rows whose unmasked pick the
+    # grammar rejects ("deferred"); both produce the same tokens.
+    span = args.batch * blocks_per
     batches = {"plain": Batch(backend, "p", plain, args.batch, args.context, blocks_per, 1,
                               vocab),
-               "json_schema": Batch(backend, "c", constrained, args.batch, args.context,
-                                    blocks_per, 1 + args.batch * blocks_per, vocab)}
+               "json masked": Batch(backend, "c", constrained, args.batch, args.context,
+                                    blocks_per, 1 + span, vocab),
+               "json deferred": Batch(backend, "d", constrained, args.batch, args.context,
+                                      blocks_per, 1 + 2 * span, vocab)}
+    orders = {"plain": None, "json masked": False, "json deferred": True}
     samples: dict[str, list] = {k: [] for k in batches}
+    counts = dict(backend.grammar_rows)
     for step in range(args.steps + 1):
         for label, b in batches.items():
+            backend.defer_grammar_masks = orders[label]
+            if label == "json deferred" and step == 1:
+                counts = dict(backend.grammar_rows)
             sample = b.step()
             if step:           # the first is a warm-up
                 samples[label].append(sample)
@@ -145,7 +156,14 @@ def main() -> None:
           f"{args.steps} steps each, interleaved:")
     for label, xs in samples.items():
         summarise(label, xs)
-    matchers = [backend._states[rid].grammar for rid, _p, _t in batches["json_schema"].reqs]
+    unmasked = backend.grammar_rows["unmasked"] - counts["unmasked"]
+    repicked = backend.grammar_rows["repicked"] - counts["repicked"]
+    print(f"  deferred rows: {unmasked} picks allowed unmasked, {repicked} rejected and "
+          f"picked again masked ({unmasked / max(1, unmasked + repicked):.1%} without a mask)")
+    same = all(batches["json masked"].last[f"c{i}"] == batches["json deferred"].last[f"d{i}"]
+               for i in range(args.batch))
+    print(f"  masked and deferred batches end on the same tokens: {same}")
+    matchers = [backend._states[rid].grammar for rid, _p, _t in batches["json masked"].reqs]
     print("grammar work alone (state after the run above):")
     grammar_costs(backend, matchers, vocab)
     backend.shutdown()

@@ -255,3 +255,96 @@ def test_token_bitmask_masks_exactly_its_rows_and_bits(vocab):
             assert out[row, t].item() == (logits[row, t].item() if allowed else float("-inf"))
     for row in (0, 2, 4):
         assert torch.equal(out[row], logits[row])
+
+
+def _random_bitmask(gen: torch.Generator, rows: int, vocab: int, density: float) -> torch.Tensor:
+    width = (vocab + 31) // 32
+    bits = torch.rand(rows, width * 32, generator=gen) < density
+    words = (bits.view(rows, width, 32).long() << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_masked_argmax_equals_masking_then_argmax():
+    """The sparse masked argmax (rows the grammar rejected) picks what
+    masking the whole row and taking argmax picks: ties go to the lowest id,
+    an all -inf or empty row gives 0, bits past the vocabulary are ignored."""
+    from backends.sampler import apply_token_bitmask, masked_argmax
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        vocab = (100, 130, 1000)[trial % 3]
+        logits = torch.randint(-3, 3, (6, vocab), generator=gen).float()  # many ties
+        logits[logits == -3] = float("-inf")
+        rows = torch.randperm(6, generator=gen)[:4]
+        if trial % 7 == 0:
+            logits[rows[0]] = float("-inf")
+        bitmask = _random_bitmask(gen, 4, vocab, (0.0, 0.002, 0.02, 0.5, 1.0)[trial % 5])
+        full = logits.clone()
+        apply_token_bitmask(full, rows, bitmask)
+        assert torch.equal(masked_argmax(logits, rows, bitmask), full[rows].argmax(dim=-1)), trial
+
+
+def _batch(vocab: int, greedy: list[bool], seeds: list[int], allowed=None, deferred=None,
+           top_p: float | None = None, logprobs: int | None = None):
+    from backends.sampler import SamplingBatch
+    n = len(greedy)
+    return SamplingBatch(
+        temperature=torch.tensor([1.0 if g else 0.7 for g in greedy]),
+        greedy=None if all(greedy) or not any(greedy) else torch.tensor(greedy),
+        all_greedy=all(greedy), top_k=None,
+        top_p=None if top_p is None else torch.tensor([top_p] * n), min_p=None,
+        penalties=None, bias=None, banned=None, allowed=allowed,
+        generators=[torch.Generator().manual_seed(s) for s in seeds],
+        shared_generator=torch.Generator().manual_seed(99), num_logprobs=logprobs,
+        deferred=deferred)
+
+
+@pytest.mark.parametrize("mix", ["greedy", "sampled", "mixed"])
+def test_deferred_masks_pick_what_the_masked_path_picks(mix):
+    """Constrained rows that pick unmasked first and are picked again masked
+    only where their grammar (here: their bitmask) rejects the pick get the
+    tokens and logprobs of masking every constrained row first, greedy and
+    seeded sampled alike, beside free rows; both branches are taken."""
+    from backends.sampler import DeferredMasks, mask_can_wait, sample
+    gen = torch.Generator().manual_seed(11)
+    vocab, n = 300, 8
+    greedy = {"greedy": [True] * n, "sampled": [False] * n,
+              "mixed": [i % 2 == 0 for i in range(n)]}[mix]
+    constrained = [0, 2, 3, 5, 6]
+    accepted = rejected = 0
+    for trial in range(40):
+        # Peaked logits, so unmasked picks often fall inside the allowed set.
+        logits = torch.randn(n, vocab, generator=gen) * 4
+        density = (0.02, 0.3, 0.9, 1.0)[trial % 4]
+        bitmask = _random_bitmask(gen, len(constrained), vocab, density)
+        seeds = [trial * 10 + i for i in range(n)]
+        masked = sample(logits.clone(), _batch(
+            vocab, greedy, seeds, (torch.tensor(constrained), bitmask), logprobs=2))
+        allowed_bits = [[bool((int(bitmask[k, t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
+                        for k in range(len(constrained))]
+
+        def resolve(tokens, allowed_bits=allowed_bits, bitmask=bitmask):
+            nonlocal accepted, rejected
+            bad = [k for k, t in enumerate(tokens) if not allowed_bits[k][t]]
+            accepted += len(tokens) - len(bad)
+            rejected += len(bad)
+            return bad, (bitmask[bad] if bad else None)
+
+        batch = _batch(vocab, greedy, seeds, None, DeferredMasks(constrained, resolve),
+                       logprobs=2)
+        assert all(mask_can_wait(batch, greedy[i]) for i in constrained)
+        deferred = sample(logits.clone(), batch)
+        assert deferred.token_ids.tolist() == masked.token_ids.tolist(), trial
+        assert torch.equal(deferred.token_logprobs, masked.token_logprobs)
+        assert torch.equal(deferred.top_ids, masked.top_ids)
+    assert accepted > 20 and rejected > 20, (accepted, rejected)
+
+
+def test_only_cut_free_sampled_rows_may_defer_their_mask():
+    """Top-k, top-p and min-p choose their cut from the row's distribution,
+    which the mask changes: a sampled row defers only where no cut acts on
+    the batch; a greedy row always may."""
+    from backends.sampler import mask_can_wait
+    plain = _batch(10, [False, True], [1, 2])
+    cut = _batch(10, [False, True], [1, 2], top_p=0.9)
+    assert mask_can_wait(plain, False) and mask_can_wait(plain, True)
+    assert not mask_can_wait(cut, False) and mask_can_wait(cut, True)

@@ -199,6 +199,10 @@ def test_random_model_obeys_and_survives_preemption_and_chunking(request, arch):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     roomy = make_engine(model_dir)
     tight = make_engine(model_dir, num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
+    # Masks first on the roomy engine, deferred (picked unmasked first) on
+    # the tight one: the order changes no token either.
+    roomy.backend.defer_grammar_masks = False
+    tight.backend.defer_grammar_masks = True
     prompts = {f"r{i}": [5 + i, 17, 99, 230, 41, 8, 77, 12, 300, 44, 9, 51][: 6 + 2 * i]
                for i in range(4)}
     params = {rid: SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=64,
@@ -211,6 +215,93 @@ def test_random_model_obeys_and_survives_preemption_and_chunking(request, arch):
         assert res.finish_reason == "stop", (rid, res.text)
         jsonschema.validate(json.loads(res.text), BOUNDED)
         assert res.token_ids == expected[rid].token_ids, rid
+    assert roomy.backend.grammar_rows["unmasked"] == 0
+    counts = tight.backend.grammar_rows
+    # (A random model's unmasked picks rarely fit; accepted ones are
+    # covered by test_deferred_masks_change_no_token_or_logprob.)
+    assert counts["masked"] == 0 and counts["repicked"] > 0, counts
+
+
+def test_deferred_masks_change_no_token_or_logprob():
+    """Constrained rows pick unmasked first and fill their mask only when the
+    grammar rejects the pick (the default on a CPU whose cores all run the
+    forward pass). Greedy and seeded sampled rows, beside free rows, with
+    logprobs: the same tokens and logprobs as masking every row first. A
+    top-p row in the batch keeps the sampled rows masked first."""
+    core = make_engine(None, num_kv_blocks=256, max_num_batched_tokens=256,
+                       enable_prefix_caching=False)
+    prompts, params = {}, {}
+    for name in ("nested_enum", "array"):
+        ids = _chat_ids(core, QUESTIONS[name])
+        prompts[f"{name}-greedy"] = ids
+        params[f"{name}-greedy"] = SamplingParams(temperature=0, max_tokens=24, logprobs=2,
+                                                  structured=_spec(SCHEMAS[name]))
+        prompts[f"{name}-sampled"] = ids
+        params[f"{name}-sampled"] = SamplingParams(temperature=0.8, seed=5, max_tokens=24,
+                                                   logprobs=1, structured=_spec(SCHEMAS[name]))
+    prompts["free"] = _chat_ids(core, "What is the capital of France?")
+    params["free"] = SamplingParams(temperature=0.8, seed=3, max_tokens=16, logprobs=1)
+    cut = {"nested_enum-greedy": params["nested_enum-greedy"], "free": params["free"],
+           "array-sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24,
+                                           structured=_spec(SCHEMAS["array"]))}
+    backend = core.backend
+    for batch_params in (params, cut):
+        runs, counts = [], []
+        for defer in (False, True):
+            backend.defer_grammar_masks = defer
+            before = dict(backend.grammar_rows)
+            runs.append(run_all(core, {f"{k}/{defer}": prompts[k] for k in batch_params},
+                                {f"{k}/{defer}": v for k, v in batch_params.items()}))
+            counts.append({k: v - before[k] for k, v in backend.grammar_rows.items()})
+        for rid in batch_params:
+            masked, deferred = runs[0][f"{rid}/False"], runs[1][f"{rid}/True"]
+            assert deferred.token_ids == masked.token_ids, rid
+            assert deferred.logprobs == masked.logprobs, rid
+            if rid != "free" and masked.finish_reason == "stop":
+                jsonschema.validate(json.loads(deferred.text), SCHEMAS[rid.rsplit("-", 1)[0]])
+        assert counts[0]["unmasked"] == counts[0]["repicked"] == 0, counts
+        assert counts[1]["unmasked"] > 0 and counts[1]["repicked"] > 0, counts
+        # Without a cut every constrained row defers; with one, the sampled
+        # rows (and only they) are masked first.
+        assert (counts[1]["masked"] > 0) == (batch_params is cut), counts
+
+
+def test_a_mask_allows_exactly_what_the_matcher_accepts_unless_bytes_are_forced(smol):
+    """The deferred order relies on this: outside forced bytes, the tokens
+    llguidance's mask allows are exactly those its matcher consumes, token
+    by token over the whole vocabulary, along a walk through several
+    grammars; where bytes are forced the mask is narrower (only their
+    canonical tokenization) and ``try_accept_unmasked`` declines."""
+    import random
+    import torch
+    rng = random.Random(0)
+    vocab = smol.grammar.vocab_size
+    width = (vocab + 31) // 32
+    specs = [_spec(SCHEMAS["nested_enum"]), _spec(BOUNDED), _spec(TREE),
+             StructuredOutputSpec("regex", r"[a-z]{2,5}-\d+")]
+    checked = declined = 0
+    for spec in specs:
+        matcher = smol.grammar.compile(spec).new_matcher()
+        for _ in range(12):
+            bitmask = torch.empty(width, dtype=torch.int32)
+            matcher.fill_bitmask(bitmask)
+            bits = ((bitmask.view(torch.uint8).long().unsqueeze(1) >> torch.arange(8)) & 1)
+            mask = bits.view(-1)[:vocab].bool().tolist()
+            allowed = [t for t in range(vocab) if mask[t]]
+            if not allowed:
+                break
+            if matcher.matcher.compute_ff_bytes():
+                declined += 1
+                assert not matcher.try_accept_unmasked(allowed[0])
+            else:
+                checked += 1
+                accepts = [matcher.matcher.validate_tokens([t]) == 1 for t in range(vocab)]
+                assert accepts == mask
+                token = rng.choice(allowed)
+                assert matcher.try_accept_unmasked(token)
+                matcher.matcher.rollback(1)
+            assert matcher.accept(rng.choice(allowed))
+    assert checked >= 10 and declined >= 5, (checked, declined)
 
 
 def test_warm_up_prepares_the_grammar_engine(tiny_llama_dir):
