@@ -20,7 +20,9 @@ noise. Where the grammar accepts the unmasked pick, that pick is the one the
 masked row would have made: for greedy, the argmax over all tokens is, when
 allowed, the argmax over the allowed ones; for the exponential race the
 masked row compares the same p_j / E_j, up to one positive factor (the
-renormalisation), over a subset that contains the unmasked winner. Top-k,
+renormalisation), over a subset that contains the unmasked winner (a pick
+that wins by less than float rounding could blur, ``_RACE_MARGIN``, is
+masked and picked again instead). Top-k,
 top-p and min-p choose their cut from the row's distribution, which the mask
 changes, so a row may defer only where ``mask_can_wait`` says none of them
 acts on it. Penalties, ``logit_bias`` and banned tokens act before the mask
@@ -49,7 +51,8 @@ class PenaltyInputs:
 class DeferredMasks:
     """Constrained rows that pick unmasked first (see the module docstring).
 
-    ``resolve`` gets the token each of ``rows`` picked unmasked (in order),
+    ``resolve`` gets the token each of ``rows`` picked unmasked (in order;
+    None where the sampler cannot vouch for the pick: treat it as rejected),
     advances the grammar of every row that accepts its token, and returns
     the positions (into ``rows``) of those it rejected, with their bitmasks
     [len(rejected), W] (None when none was rejected). Those rows are then
@@ -112,13 +115,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.allowed is not None:
         apply_token_bitmask(logits, *batch.allowed)
 
-    noise = None
+    noise = race = None
     if batch.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:
-        token_ids, noise = _sample_random(logits, batch)
+        token_ids, noise, race = _sample_random(logits, batch)
     if batch.deferred is not None:
-        _resolve_deferred(logits, batch, token_ids, noise)
+        _resolve_deferred(logits, batch, token_ids, noise, race)
 
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
@@ -129,14 +132,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(token_ids, chosen, top_ids, top_values)
 
 
+# A sampled row's unmasked pick stands only if its p / E beats every other
+# token's by this factor: the masked row computes the same ratios scaled by one
+# positive factor, each with a few ulp (~1e-7) of rounding, so a closer race
+# (a tie included) is left to the mask.
+_RACE_MARGIN = 1.0 + 1e-4
+
+
 def _resolve_deferred(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor,
-                      noise: torch.Tensor | None) -> None:
+                      noise: torch.Tensor | None, race: torch.Tensor | None) -> None:
     """Ask the grammar about each deferred row's unmasked pick; pick the
     rejected rows again with their masks, as the masked path would have:
     the same processed logits and the same noise, row by row."""
     deferred = batch.deferred
     index = torch.tensor(deferred.rows, device=token_ids.device)
-    rejected, bitmask = deferred.resolve(token_ids.index_select(0, index).tolist())
+    picks = token_ids.index_select(0, index)
+    if race is not None:
+        # None (rejected unasked) where a sampled row's race is too close.
+        top2 = race.index_select(0, index).topk(2, dim=-1).values
+        close = top2[:, 0] <= top2[:, 1] * _RACE_MARGIN
+        if batch.greedy is not None:
+            close &= ~batch.greedy.index_select(0, index)
+        tokens = [None if c else t for t, c in zip(picks.tolist(), close.tolist())]
+    else:
+        tokens = picks.tolist()
+    rejected, bitmask = deferred.resolve(tokens)
     if not rejected:
         return
     rows = index[torch.tensor(rejected, device=index.device)]
@@ -218,8 +238,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The picked ids and the noise drawn for them (clamped)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The picked ids, the noise drawn for them (clamped) and the race
+    (p / E) the sampled rows' ids won."""
     greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
     scaled = logits / batch.temperature.unsqueeze(1)
     if batch.top_k is not None or batch.top_p is not None:
@@ -229,10 +250,11 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch
         threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
     noise = _exponential_noise(probs, batch)
-    sampled = (probs / noise).argmax(dim=-1)
+    race = probs / noise
+    sampled = race.argmax(dim=-1)
     if greedy_ids is not None:
         sampled = torch.where(batch.greedy, greedy_ids, sampled)
-    return sampled, noise
+    return sampled, noise, race
 
 
 def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -427,12 +427,12 @@ class TorchBackend:
         repicked: list[tuple[int, GrammarMatcher]] = []
         ok = finite.tolist()
 
-        def resolve(tokens: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        def resolve(tokens: list[int | None]) -> tuple[list[int], torch.Tensor | None]:
             rejected = []
             for k, ((i, matcher), token) in enumerate(zip(waiting, tokens)):
                 if not ok[i]:
                     continue  # fails its request; its grammar stays put
-                if matcher.try_accept_unmasked(token):
+                if token is not None and matcher.try_accept_unmasked(token):
                     self.grammar_rows["unmasked"] += 1
                 else:
                     rejected.append(k)

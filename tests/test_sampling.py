@@ -324,7 +324,7 @@ def test_deferred_masks_pick_what_the_masked_path_picks(mix):
 
         def resolve(tokens, allowed_bits=allowed_bits, bitmask=bitmask):
             nonlocal accepted, rejected
-            bad = [k for k, t in enumerate(tokens) if not allowed_bits[k][t]]
+            bad = [k for k, t in enumerate(tokens) if t is None or not allowed_bits[k][t]]
             accepted += len(tokens) - len(bad)
             rejected += len(bad)
             return bad, (bitmask[bad] if bad else None)
@@ -348,3 +348,29 @@ def test_only_cut_free_sampled_rows_may_defer_their_mask():
     cut = _batch(10, [False, True], [1, 2], top_p=0.9)
     assert mask_can_wait(plain, False) and mask_can_wait(plain, True)
     assert not mask_can_wait(cut, False) and mask_can_wait(cut, True)
+
+
+def test_a_close_race_is_left_to_the_mask(monkeypatch):
+    """A sampled row whose unmasked pick wins its race (p / E) by less than
+    float rounding could decide is not vouched for: the grammar gets None
+    and the row is picked again masked; a clear winner is asked about."""
+    import backends.sampler as sampler
+    monkeypatch.setattr(sampler, "_exponential_noise", lambda probs, batch: torch.ones_like(probs))
+    logits = torch.full((3, 64), -5.0)
+    logits[0, 7] = logits[0, 9] = 2.0          # a tie
+    logits[1, 7] = 2.0                         # a clear winner
+    logits[2, 9] = logits[2, 7] = 2.0          # a tie, greedy: argmax is exact
+    bitmask = torch.zeros(3, 2, dtype=torch.int32)
+    bitmask[:, 0] = (1 << 7) | (1 << 9)
+    seen = []
+
+    def resolve(tokens):
+        seen.extend(tokens)
+        bad = [k for k, t in enumerate(tokens) if t is None]
+        return bad, bitmask[bad]
+
+    batch = _batch(64, [False, False, True], [1, 2, 3],
+                   deferred=sampler.DeferredMasks([0, 1, 2], resolve))
+    out = sampler.sample(logits.clone(), batch)
+    assert seen == [None, 7, 7]
+    assert out.token_ids.tolist() == [7, 7, 7]
