@@ -104,9 +104,8 @@ class TorchBackend:
         self._num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
         # When a constrained row's mask is filled: None (the default) defers
-        # it where it would otherwise be filled on the step's path (no spare
-        # core: see ``_grammar_rows``); True / False force either order (the
-        # tokens are the same; tests compare them).
+        # it on a CPU (see ``_grammar_rows``); True / False force either
+        # order (the tokens are the same; tests compare them).
         self.defer_grammar_masks: bool | None = None
         # Constrained rows sampled so far, by how their mask was handled:
         # "masked" (filled before picking), "unmasked" (deferred, and the
@@ -302,6 +301,10 @@ class TorchBackend:
         self.kv_caches = []
         self._states.clear()
         self._bitmasks.shutdown()
+        if any(self.grammar_rows.values()):
+            log.info("constrained rows sampled: %(masked)d masked first, %(unmasked)d "
+                     "picked unmasked, %(repicked)d rejected and picked again masked",
+                     self.grammar_rows)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -398,17 +401,20 @@ class TorchBackend:
         unmasked first (backends/sampler.py, ``DeferredMasks``).
 
         A row defers where the sampler can do so exactly (``mask_can_wait``)
-        and filling its mask up front would cost the step: on a CPU whose
-        cores all run the forward pass. There a mask of a JSON schema costs
-        10-500 us a row (one after another), while checking the unmasked pick
-        costs ~3 us and most picks inside strings and numbers are allowed;
-        with a spare core or a GPU the masks are filled beside the forward
-        pass at no cost to the step, and every row is masked first."""
+        and filling its mask up front would cost the step: on a CPU. There a
+        mask of a JSON schema costs 10-500 us a row, while checking the
+        unmasked pick costs ~3 us and most picks inside strings and numbers
+        are allowed, so deferring does far less grammar work; a core that
+        looks spare (the thread governor runs fewer torch threads than
+        cores) is one another process was found to use, so a helper thread
+        filling masks there still competes for it. On a GPU the masks are
+        filled on a helper thread while the forward pass runs, at no cost to
+        the step, and every row is masked first."""
         constrained = [(i, state.grammar) for i, r in enumerate(rows)
                        if (state := self._states[r.request_id]).grammar is not None]
         defer = self.defer_grammar_masks
         if defer is None:
-            defer = not self._spare_core()
+            defer = self.device.type == "cpu"
         if not constrained or not defer:
             self.grammar_rows["masked"] += len(constrained)
             return constrained, []

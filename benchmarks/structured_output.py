@@ -136,6 +136,9 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--server-log", default=None,
+                        help="file for the started server's output (its last line says "
+                             "how constrained rows were masked)")
     args = parser.parse_args()
     if len(args.num_requests) != len(args.concurrency):
         parser.error("give one --num-requests per --concurrency")
@@ -143,8 +146,9 @@ def main() -> int:
         print(f"compile {name}: {ms:.1f} ms")
     server = None
     if args.start:
+        log = open(args.server_log, "wb") if args.server_log else subprocess.DEVNULL
         server = subprocess.Popen(shlex.split(args.start), start_new_session=True,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  stdout=log, stderr=subprocess.STDOUT)
     try:
         rows = asyncio.run(measure(args))
     finally:
