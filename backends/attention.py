@@ -7,6 +7,14 @@ chunk gets its own call with a causal mask offset by the tokens already in the
 cache. The gather indices and masks are built once per step (by the backend)
 and shared by all layers.
 
+Decode rows that share a cached prefix (many users of one system prompt)
+can take cascade attention: the prefix's part once for all of them, as one
+SDPA call whose query length is every row's query heads of a kv head (the
+prefix's K/V read once instead of once per row, and a matrix product instead
+of dot products), merged with each row's own rest (the native kernel over
+the table past the prefix) by the two parts' log-sum-exps. The result is the
+same attention over the whole context, summed in another order.
+
 Sliding-window layers read ``meta.sliding``: the same step seen through the
 window (block tables that start at the first block holding a position inside
 the window, masks that hide the positions before it), so their cost follows
@@ -19,7 +27,7 @@ gathered blocks and masks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -44,6 +52,16 @@ class PrefillSegment:
 
 
 @dataclass(slots=True)
+class SharedPrefix:
+    """Decode rows ``rows`` (indices among the step's decodes) whose block
+    tables all begin with ``blocks``: full blocks, all before the block that
+    holds any of these rows' current token."""
+
+    rows: torch.Tensor    # [R] int64
+    blocks: torch.Tensor  # [P] int64
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Built once per step, shared by every layer. Reads gather whole blocks
     (block_size contiguous slots per index), not single slots."""
@@ -58,9 +76,56 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     decode_lens: torch.Tensor | None = None   # [D] int64: each decode's context length
     decode_max_len: int = 0
+    # Cascade decode (only with a kernel that gives log-sum-exps): the groups
+    # of decodes sharing a prefix, and every decode's table and length past
+    # its group's prefix (rows in no group: the whole table).
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    rest_blocks: torch.Tensor | None = None
+    rest_lens: torch.Tensor | None = None
+    rest_max_len: int = 0
     # The step as sliding-window layers see it (masks always present, no
     # decode_lens: the native decode kernel attends whole contexts).
     sliding: AttentionMetadata | None = None
+
+
+# Cascade only where it pays: a group of at least this many decodes sharing
+# at least this many tokens (one SDPA call and a merge per group and layer
+# cost ~0.05-0.1 ms on a 2-core CPU).
+CASCADE_MIN_ROWS = 4
+CASCADE_MIN_TOKENS = 256
+
+
+def find_shared_prefixes(tables: list[list[int]], positions: list[int], block_size: int,
+                         min_rows: int | None = None,
+                         min_tokens: int | None = None) -> list[tuple[list[int], int]]:
+    """Groups of decode rows (``tables[i]``: row i's block table,
+    ``positions[i]``: the position of its current token) whose tables begin
+    with the same blocks: (row indices, number of shared blocks). Only blocks
+    before every member's current block count (full ones: the prefix cache
+    shares nothing else), and a group has at least ``min_rows`` rows sharing
+    at least ``min_tokens`` tokens. Rows are grouped by their first block;
+    a group shares what all its rows share. The limits default to
+    CASCADE_MIN_ROWS and CASCADE_MIN_TOKENS."""
+    min_rows = CASCADE_MIN_ROWS if min_rows is None else min_rows
+    min_tokens = CASCADE_MIN_TOKENS if min_tokens is None else min_tokens
+    min_blocks = max(1, -(-min_tokens // block_size))
+    by_first: dict[int, list[int]] = {}
+    for i, (table, pos) in enumerate(zip(tables, positions)):
+        if pos // block_size >= min_blocks:
+            by_first.setdefault(table[0], []).append(i)
+    groups = []
+    for rows in by_first.values():
+        if len(rows) < min_rows:
+            continue
+        ref = tables[rows[0]]
+        n = min(positions[i] // block_size for i in rows)
+        for i in rows[1:]:
+            table = tables[i]
+            if table[:n] != ref[:n]:
+                n = next(j for j in range(n) if table[j] != ref[j])
+        if n >= min_blocks:
+            groups.append((rows, n))
+    return groups
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
@@ -96,14 +161,62 @@ def _gather(blocks: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return blocks.index_select(0, index.reshape(-1)).view(*index.shape, *blocks.shape[1:])
 
 
+def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float,
+                   lse_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                   ) -> torch.Tensor:
+    """Decode attention of q [D, heads, head_dim] with the shared prefixes
+    of ``meta.shared_prefixes`` computed once per group. ``lse_kernel``:
+    the decode kernel's signature, returning (out, lse [D, heads] float32)."""
+    out, lse = lse_kernel(q, k_cache, v_cache, meta.rest_blocks, meta.rest_lens,
+                          meta.rest_max_len, meta.block_size, scale)
+    _, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    bs = meta.block_size
+    k_blocks = k_cache.view(-1, bs, kv_heads, head_dim)
+    v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
+    for shared in meta.shared_prefixes:
+        rows = shared.rows.shape[0]
+        # [R, kv, G, hd] -> [1, kv, R * G, hd]: the rows' query heads of one
+        # kv head are that head's queries.
+        qs = q.index_select(0, shared.rows).view(rows, kv_heads, group, head_dim)
+        qs = qs.permute(1, 0, 2, 3).reshape(1, kv_heads, rows * group, head_dim)
+        k = _gather(k_blocks, shared.blocks).flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        v = _gather(v_blocks, shared.blocks).flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        o, l = _sdpa_lse(qs, k.to(q.dtype), v.to(q.dtype), scale)
+        o = o.view(kv_heads, rows, group, head_dim).permute(1, 0, 2, 3).reshape(
+            rows, heads, head_dim)
+        l = l.view(kv_heads, rows, group).permute(1, 0, 2).reshape(rows, heads)
+        # softmax over both parts = each part's softmax weighted by
+        # exp(lse_part) / (exp(lse_prefix) + exp(lse_rest))
+        w = torch.sigmoid(l - lse.index_select(0, shared.rows)).unsqueeze(-1)
+        rest = out.index_select(0, shared.rows).float()
+        out.index_copy_(0, shared.rows, torch.lerp(rest, o.float(), w).to(out.dtype))
+    return out
+
+
+def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked SDPA [B, H, L, D] and each query's log-sum-exp [B, H, L]
+    (float32): torch's CPU flash attention, which computes both."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, scale=scale)
+    return out, lse
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     decode_kernel: Callable[..., torch.Tensor] | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    decode_lse_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                    | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]. Decodes go to
     ``decode_kernel`` (reading the pool in place) when one is given, else to
-    gather + SDPA; prefill chunks always to SDPA. With ``softcap`` (no
-    decode kernel then) both go to ``softcapped_attention`` instead."""
+    gather + SDPA; with ``decode_lse_kernel`` and shared prefixes in
+    ``meta``, to ``cascade_decode``; prefill chunks always to SDPA. With
+    ``softcap`` (no decode kernel then) both go to ``softcapped_attention``
+    instead."""
     sdpa = F.scaled_dot_product_attention
     if softcap is not None:
         if decode_kernel is not None:
@@ -116,7 +229,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
     out = torch.empty_like(q)
     d = meta.num_decode
-    if d and decode_kernel is not None:
+    if d and decode_lse_kernel is not None and meta.shared_prefixes:
+        decoded = cascade_decode(q[:d], k_cache, v_cache, meta, scale, decode_lse_kernel)
+        if not meta.prefills:
+            return decoded.reshape(num_tokens, num_heads * head_dim)
+        out[:d] = decoded
+    elif d and decode_kernel is not None:
         decoded = decode_kernel(q[:d], k_cache, v_cache, meta.decode_blocks,
                                      meta.decode_lens, meta.decode_max_len, bs, scale)
         if not meta.prefills:

@@ -176,6 +176,10 @@ class ExecutionPlan:
     rope_kv_store: str               # native | torch
     decode_attention: str            # native | torch-sdpa
     prefill_attention: str = "torch-sdpa"
+    # Decode rows that share a cached prefix (backends/attention.py): "cascade"
+    # (the prefix once for all of them through SDPA, merged with each row's
+    # rest from the native kernel) or "none".
+    shared_prefix_decode: str = "none"
     activation: str = "torch"        # act(gate)*up: native | torch
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
@@ -216,6 +220,8 @@ class ExecutionPlan:
             parts.append(f"sliding-window attention {self.sliding_attention}")
         if self.softcap_attention != "none":
             parts.append(f"soft-capped attention {self.softcap_attention}")
+        if self.shared_prefix_decode != "none":
+            parts.append(f"shared-prefix decode {self.shared_prefix_decode}")
         if self.moe != "none":
             parts.append(f"experts {self.moe}")
         if self.whole_step_decode:
@@ -391,6 +397,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         norm="native" if native else "torch",
         rope_kv_store="native" if native else "torch",
         decode_attention="native" if native else "torch-sdpa",
+        shared_prefix_decode="cascade" if native else "none",
         activation="native" if native else "torch",
         whole_step_decode=whole_step, whole_step_weights=whole_weights,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),

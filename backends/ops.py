@@ -162,8 +162,14 @@ def native_cpu_ops(kind: str) -> ModelOps:
         return baton.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                             max_seq_len, block_size, scale, k)
 
+    def decode_lse(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, block_size,
+                   scale):
+        return baton.paged_decode_attention_lse(q, k_cache, v_cache, block_tables, seq_lens,
+                                                max_seq_len, block_size, scale, k)
+
     def silu(gate_up):
         return baton.silu_mul(gate_up, k)
 
-    return ModelOps(norm, rope_store, partial(paged_attention, decode_kernel=decode), silu,
+    attention = partial(paged_attention, decode_kernel=decode, decode_lse_kernel=decode_lse)
+    return ModelOps(norm, rope_store, attention, silu,
                     f"native-{kind}", gelu_tanh_mul, paged_attention, paged_attention)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.attention import AttentionMetadata, PrefillSegment
+from backends.attention import (AttentionMetadata, PrefillSegment, SharedPrefix,
+                                find_shared_prefixes)
 from backends.grammar import BitmaskFiller, GrammarCompiler, GrammarMatcher
 from backends.config import LoadedModel, ModelConfig
 from backends.cpu_threads import DEFAULT_THREADS, ThreadGovernor
@@ -601,11 +602,40 @@ class TorchBackend:
         lens = torch.tensor(lengths, dtype=torch.long)
         meta.decode_lens = lens.to(self.device)
         meta.decode_max_len = max_len
+        if self.plan.shared_prefix_decode == "cascade":
+            self._shared_prefixes(rows, meta)
         if not self.plan.torch_decode_masks:
             return
         pos = torch.arange(max_blocks * bs)
         meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(
             len(rows), 1, 1, max_blocks * bs).to(self.device)
+
+    def _shared_prefixes(self, rows: list[ScheduledRequest], meta: AttentionMetadata) -> None:
+        """Groups of decodes sharing a cached prefix, and every decode's
+        table and length past its group's prefix (backends/attention.py,
+        cascade attention)."""
+        bs = self.block_size
+        groups = find_shared_prefixes([r.block_table for r in rows],
+                                      [r.start_pos for r in rows], bs)
+        if not groups:
+            return
+        cut = [0] * len(rows)
+        dev = self.device
+        for members, n in groups:
+            for i in members:
+                cut[i] = n
+            meta.shared_prefixes.append(SharedPrefix(
+                torch.tensor(members, dtype=torch.long).to(dev),
+                torch.tensor(rows[members[0]].block_table[:n], dtype=torch.long).to(dev)))
+        lengths = [r.start_pos + 1 - c * bs for r, c in zip(rows, cut)]
+        width = -(-max(lengths) // bs)
+        tables = []
+        for r, c, n in zip(rows, cut, lengths):
+            table = r.block_table[c:c - (-n // bs)]
+            tables.append(table + [0] * (width - len(table)))
+        meta.rest_blocks = torch.tensor(tables, dtype=torch.long).to(dev)
+        meta.rest_lens = torch.tensor(lengths, dtype=torch.long).to(dev)
+        meta.rest_max_len = max(lengths)
 
     def _decode_window(self, rows: list[ScheduledRequest], meta: AttentionMetadata,
                        window: int) -> None:

@@ -43,6 +43,13 @@ def main() -> None:
                          "cached prefix of --context tokens (a shared-prefix step)")
     ap.add_argument("--prefill-len", type=int, default=100,
                     help="tokens of each --prefill-rows chunk")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="every request's prompt is the same --context tokens and their "
+                         "full blocks are shared (the prefix cache's layout): decodes of "
+                         "many users of one system prompt")
+    ap.add_argument("--no-cascade", action="store_true",
+                    help="with --shared-prefix: decode attention without the shared-prefix "
+                         "cascade (each row walks its whole table)")
     ap.add_argument("--cpu-kind", default="auto",
                     choices=["auto", "portable", "avx2", "avx512", "avx512_bf16"],
                     help="run this CPU kind's path (backends/execution.py)")
@@ -71,14 +78,24 @@ def main() -> None:
         threads=args.threads, quantization=QuantizationSpec(args.quantization),
         execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
                                    cpu_kind=args.cpu_kind, amx=not args.no_amx)))
+    if args.no_cascade:
+        import dataclasses
+        backend.plan = dataclasses.replace(backend.plan, shared_prefix_decode="none")
     print(f"plan: {backend.plan.describe()}")
     params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
     reqs = []
+    shared = torch.randint(100, vocab, (args.context,), generator=gen).tolist()
     for i in range(num_seqs):
         table = list(range(1 + i * blocks_per, 1 + (i + 1) * blocks_per))
         prompt = torch.randint(100, vocab, (args.context,), generator=gen).tolist()
+        if args.shared_prefix:
+            # request 0's full prompt blocks, then its own (each prefill
+            # writes the same values into the shared blocks)
+            full = args.context // bs
+            table = list(range(1, 1 + full)) + table[full:]
+            prompt = shared
         reqs.append([f"r{i}", prompt, table])
     # Prefill one request at a time.
     last = {}

@@ -236,6 +236,11 @@ def _register_fakes() -> None:
                    scale, kind):
         return torch.empty_like(q)
 
+    @fake("baton::paged_decode_attention_lse")
+    def _attention_lse(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, block_size,
+                       scale, kind):
+        return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
     @fake("baton::gemv_bf16")
     def _gemv(x, w_tiled, out_features, bias, kind):
         return x.new_empty(x.shape[0], out_features)

@@ -115,13 +115,13 @@ int baton_qkv_rope_store_bf16(
 
 int baton_paged_decode_attention_f32(
         const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
-        const int64_t *block_tables, const int64_t *ctx_lens, float *out,
+        const int64_t *block_tables, const int64_t *ctx_lens, float *out, float *lse,
         int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
         int64_t block_size, int64_t max_ctx, float scale, int num_threads);
 
 int baton_paged_decode_attention_bf16(
         const uint16_t *q, const void *k_cache, const void *v_cache, int kv_bf16,
-        const int64_t *block_tables, const int64_t *ctx_lens, uint16_t *out,
+        const int64_t *block_tables, const int64_t *ctx_lens, uint16_t *out, float *lse,
         int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
         int64_t block_size, int64_t max_ctx, float scale, int num_threads) {
     /* q and out are T * H * D values: small next to the cache the kernel reads. */
@@ -129,8 +129,8 @@ int baton_paged_decode_attention_bf16(
     if (buf == NULL) return 2;
     baton_load_bf16(q, buf, T * H * D);
     const int rc = baton_paged_decode_attention_qb(
-        buf, q, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, buf + T * H * D, T, H, KVH,
-        D, max_blocks, block_size, max_ctx, scale, num_threads);
+        buf, q, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, buf + T * H * D, lse, T, H,
+        KVH, D, max_blocks, block_size, max_ctx, scale, num_threads);
     if (rc == 0) baton_store_bf16(buf + T * H * D, out, T * H * D);
     free(buf);
     return rc;

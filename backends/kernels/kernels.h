@@ -276,11 +276,12 @@ void baton_attention_task(const float *q, const void *k_cache, const void *v_cac
 
 /* The float32 decode attention (q, out [T, H, D] float32), given also the
  * query rounded to bf16 when that is exact (qb, or NULL): with AVX512_BF16
- * and a bf16 cache the scores are then bf16 dot products. */
+ * and a bf16 cache the scores are then bf16 dot products. lse [T, H] (or
+ * NULL): each head's log-sum-exp of its scaled scores. */
 int baton_paged_decode_attention_qb(
         const float *q, const uint16_t *qb, const void *k_cache, const void *v_cache,
         int kv_bf16, const int64_t *block_tables, const int64_t *ctx_lens, float *out,
-        int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+        float *lse, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
         int64_t block_size, int64_t max_ctx, float scale, int num_threads);
 
 /* ------------------------------------------------------- bf16 gemv */

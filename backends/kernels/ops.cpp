@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 extern "C" {
 #define BATON_DECLARE(kind)                                                                  \
@@ -34,11 +35,11 @@ extern "C" {
                                        const int64_t*, void*, void*, int, uint16_t*, int);  \
   int baton_paged_decode_attention_f32_##kind(const float*, const void*, const void*, int,  \
                                               const int64_t*, const int64_t*, float*,       \
-                                              int64_t, int64_t, int64_t, int64_t, int64_t,  \
+                                              float*, int64_t, int64_t, int64_t, int64_t, int64_t,  \
                                               int64_t, int64_t, float, int);                \
   int baton_paged_decode_attention_bf16_##kind(const uint16_t*, const void*, const void*,   \
                                                int, const int64_t*, const int64_t*,         \
-                                               uint16_t*, int64_t, int64_t, int64_t,        \
+                                               uint16_t*, float*, int64_t, int64_t, int64_t,        \
                                                int64_t, int64_t, int64_t, int64_t, float,   \
                                                int);                                        \
   int baton_gemv_bf16_##kind(const float*, const uint16_t*, const float*, float*, int64_t,  \
@@ -250,10 +251,11 @@ at::Tensor qkv_rope_store(const at::Tensor& qkv, int64_t h, int64_t kvh, int64_t
   return q;
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, int64_t max_seq_len,
-                                  int64_t block_size, double scale, int64_t kind) {
+// lse: a [tokens, heads] float32 tensor for each head's log-sum-exp, or none.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, int64_t max_seq_len, int64_t block_size,
+                            double scale, int64_t kind, float* lse) {
   const int k = check_kind(kind);
   check_act(q, "q");
   TORCH_CHECK(q.dim() == 3, "baton: q must be [tokens, heads, head_dim]");
@@ -274,16 +276,38 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   if (q.scalar_type() == at::kFloat)
     rc = attention_f32[k](q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bf16_kv,
                           block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                          out.data_ptr<float>(), t, h, kvh, d, block_tables.size(1),
+                          out.data_ptr<float>(), lse, t, h, kvh, d, block_tables.size(1),
                           block_size, max_seq_len, static_cast<float>(scale), threads());
   else
     rc = attention_bf16[k](static_cast<const uint16_t*>(q.data_ptr()), k_cache.data_ptr(),
                            v_cache.data_ptr(), bf16_kv, block_tables.data_ptr<int64_t>(),
                            seq_lens.data_ptr<int64_t>(), static_cast<uint16_t*>(out.data_ptr()),
-                           t, h, kvh, d, block_tables.size(1), block_size, max_seq_len,
+                           lse, t, h, kvh, d, block_tables.size(1), block_size, max_seq_len,
                            static_cast<float>(scale), threads());
   check_rc(rc, "paged_decode_attention");
   return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, int64_t max_seq_len,
+                                  int64_t block_size, double scale, int64_t kind) {
+  return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, block_size,
+                          scale, kind, nullptr);
+}
+
+// The same attention, with each (row, head)'s log-sum-exp of its scaled
+// scores (float32 [tokens, heads]): what merges it with attention over
+// other positions (cascade attention over a shared prefix).
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len,
+    int64_t block_size, double scale, int64_t kind) {
+  TORCH_CHECK(q.dim() == 3, "baton: q must be [tokens, heads, head_dim]");
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  at::Tensor out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
+                                    block_size, scale, kind, lse.data_ptr<float>());
+  return {out, lse};
 }
 
 // x float32: y float32. x bfloat16 (a model run in bf16): y bfloat16, rounded
@@ -377,6 +401,9 @@ TORCH_LIBRARY(baton, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, int max_seq_len, int block_size, float scale, "
         "int kind) -> Tensor");
+  m.def("paged_decode_attention_lse(Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, int max_seq_len, int block_size, float scale, "
+        "int kind) -> (Tensor, Tensor)");
   m.def("gemv_bf16(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
         "-> Tensor");
   m.def("linear_amx(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
@@ -390,6 +417,7 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("qkv_rope_store", qkv_rope_store);
   m.impl("paged_decode_attention", paged_decode_attention);
+  m.impl("paged_decode_attention_lse", paged_decode_attention_lse);
   m.impl("gemv_bf16", gemv_bf16_op);
   m.impl("linear_amx", linear_amx_op);
 }

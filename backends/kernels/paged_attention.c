@@ -20,14 +20,18 @@
 
 #include "kernels.h"
 
-/* Each head's scores[h][0..n) -> softmax weights, in place. */
-static inline void softmax_rows(float *scores, int64_t n, int64_t h0, int64_t h1) {
+/* Each head's scores[h][0..n) -> softmax weights, in place; with lse, also
+ * lse[h] = log(sum(exp(scores[h]))) (cascade attention merges partial
+ * results by it). */
+static inline void softmax_rows(float *scores, int64_t n, int64_t h0, int64_t h1,
+                                float *lse) {
     for (int64_t h = h0; h < h1; h++) {
         float *sh = scores + h * n;
         float mx = sh[0];
         for (int64_t p = 1; p < n; p++) mx = sh[p] > mx ? sh[p] : mx;
         const float sum = baton_exp_shifted_sum(sh, n, mx);
         const float inv = 1.0f / sum;
+        if (lse != NULL) lse[h] = mx + logf(sum);
         #pragma omp simd
         for (int64_t p = 0; p < n; p++) sh[p] *= inv;
     }
@@ -87,7 +91,7 @@ static inline void qk_four(const float *qh, int64_t D, const void *k_cache,
 static inline void scores_grouped(const float *qt, const void *k_cache, const int64_t *table,
                                   int64_t n, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
                                   int64_t D, int64_t block_size, float scale, float *scores,
-                                  const int bf16) {
+                                  float *lse, const int bf16) {
     const int64_t row = KVH * D;
     const int64_t g0 = h0 / G, g1 = h1 / G;
     int64_t b = 0, o = 0, p = 0;
@@ -120,7 +124,7 @@ static inline void scores_grouped(const float *qt, const void *k_cache, const in
             scores[h * n + p] = baton_hsum256(a) * scale;
         }
     }
-    softmax_rows(scores, n, h0, h1);
+    softmax_rows(scores, n, h0, h1, lse);
 }
 
 /* acc[h] += w[h][p] * V[p]: each V vector loaded (widened) once for the
@@ -168,9 +172,10 @@ static inline void attention_task_grouped(const float *qt, const void *k_cache,
                                           const void *v_cache, const int64_t *table,
                                           int64_t n, int64_t h0, int64_t h1, int64_t G,
                                           int64_t KVH, int64_t D, int64_t block_size,
-                                          float scale, float *scores, float *acc,
+                                          float scale, float *scores, float *acc, float *lse,
                                           const int bf16) {
-    scores_grouped(qt, k_cache, table, n, h0, h1, G, KVH, D, block_size, scale, scores, bf16);
+    scores_grouped(qt, k_cache, table, n, h0, h1, G, KVH, D, block_size, scale, scores, lse,
+                   bf16);
     values_grouped(v_cache, table, n, h0, h1, G, KVH, D, block_size, scores, acc, bf16);
 }
 
@@ -178,18 +183,18 @@ static void attention_task_grouped_f32(const float *qt, const void *k_cache,
                                        const void *v_cache, const int64_t *table, int64_t n,
                                        int64_t h0, int64_t h1, int64_t G, int64_t KVH,
                                        int64_t D, int64_t block_size, float scale,
-                                       float *scores, float *acc) {
+                                       float *scores, float *acc, float *lse) {
     attention_task_grouped(qt, k_cache, v_cache, table, n, h0, h1, G, KVH, D, block_size,
-                           scale, scores, acc, 0);
+                           scale, scores, acc, lse, 0);
 }
 
 static void attention_task_grouped_bf16(const float *qt, const void *k_cache,
                                         const void *v_cache, const int64_t *table, int64_t n,
                                         int64_t h0, int64_t h1, int64_t G, int64_t KVH,
                                         int64_t D, int64_t block_size, float scale,
-                                        float *scores, float *acc) {
+                                        float *scores, float *acc, float *lse) {
     attention_task_grouped(qt, k_cache, v_cache, table, n, h0, h1, G, KVH, D, block_size,
-                           scale, scores, acc, 1);
+                           scale, scores, acc, lse, 1);
 }
 #endif
 
@@ -325,7 +330,7 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
                                   const void *v_cache, const int64_t *table, int64_t n,
                                   int64_t h0, int64_t h1, int64_t G, int64_t KVH, int64_t D,
                                   int64_t block_size, float scale, float *scores, float *acc,
-                                  const int bf16) {
+                                  float *lse, const int bf16) {
     const int64_t row = KVH * D;
     (void)qb;
 #if defined(__AVX512BF16__)
@@ -337,11 +342,11 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
                 qk_block_dispatch(qb + h * D, (const uint16_t *)k_cache, base + (h / G) * D,
                                   row, m, D, scale, scores + h * n + p0);
         }
-        softmax_rows(scores, n, h0, h1);
+        softmax_rows(scores, n, h0, h1, lse);
     } else
 #endif
         scores_grouped(qt, k_cache, table, n, h0, h1, G, KVH, D, block_size, scale, scores,
-                       bf16);
+                       lse, bf16);
     memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
     const int64_t most = BATON_PV_REGS / (D / 16);
     for (int64_t p0 = 0; p0 < n; p0 += block_size) {
@@ -362,7 +367,7 @@ static void attention_task_generic(const float *q, const void *k_cache, const vo
                           const int64_t *block_tables, const int64_t *ctx_lens, float *out,
                           int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
                           int64_t D, int64_t max_blocks, int64_t block_size, float scale,
-                          float *scores, float *acc) {
+                          float *scores, float *acc, float *lse) {
     const int64_t G = H / KVH;
     const int64_t row = KVH * D;              /* elements per slot */
     const int64_t n = ctx_lens[t];
@@ -391,7 +396,7 @@ static void attention_task_generic(const float *q, const void *k_cache, const vo
             }
         }
     }
-    softmax_rows(scores, n, h0, h1);
+    softmax_rows(scores, n, h0, h1, lse);
     memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
     for (int64_t p0 = 0; p0 < n; p0 += block_size) {
         const int64_t base = table[p0 / block_size] * block_size * row;
@@ -420,7 +425,9 @@ static void attention_task(const float *q, const uint16_t *qb, const void *k_cac
                            const void *v_cache, int kv_bf16, const int64_t *block_tables,
                            const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
                            int64_t h1, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                           int64_t block_size, float scale, float *scores, float *acc) {
+                           int64_t block_size, float scale, float *scores, float *acc,
+                           float *lse) {
+    float *lse_t = lse == NULL ? NULL : lse + t * H;
 #ifdef BATON_AVX2
     if (D % 8 == 0) {
         const int64_t n = ctx_lens[t];
@@ -429,19 +436,19 @@ static void attention_task(const float *q, const uint16_t *qb, const void *k_cac
         if (pv_fits(D))
             attention_task_avx512(q + t * H * D, qb == NULL ? NULL : qb + t * H * D, k_cache,
                                   v_cache, table, n, h0, h1, H / KVH, KVH, D, block_size,
-                                  scale, scores, acc, kv_bf16);
+                                  scale, scores, acc, lse_t, kv_bf16);
         else
 #endif
         (kv_bf16 ? attention_task_grouped_bf16 : attention_task_grouped_f32)(
             q + t * H * D, k_cache, v_cache, table, n, h0, h1, H / KVH, KVH, D, block_size,
-            scale, scores, acc);
+            scale, scores, acc, lse_t);
         memcpy(out + (t * H + h0) * D, acc + h0 * D, sizeof(float) * (h1 - h0) * D);
         return;
     }
 #endif
     (void)qb;
     attention_task_generic(q, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0,
-                           h1, H, KVH, D, max_blocks, block_size, scale, scores, acc);
+                           h1, H, KVH, D, max_blocks, block_size, scale, scores, acc, lse_t);
 }
 
 void baton_attention_task(const float *q, const void *k_cache, const void *v_cache,
@@ -451,23 +458,23 @@ void baton_attention_task(const float *q, const void *k_cache, const void *v_cac
                           int64_t D, int64_t max_blocks, int64_t block_size, float scale,
                           float *scores, float *acc) {
     attention_task(q, NULL, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0, h1,
-                   H, KVH, D, max_blocks, block_size, scale, scores, acc);
+                   H, KVH, D, max_blocks, block_size, scale, scores, acc, NULL);
 }
 
 int baton_paged_decode_attention_f32(
         const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
-        const int64_t *block_tables, const int64_t *ctx_lens, float *out,
+        const int64_t *block_tables, const int64_t *ctx_lens, float *out, float *lse,
         int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
         int64_t block_size, int64_t max_ctx, float scale, int num_threads) {
     return baton_paged_decode_attention_qb(q, NULL, k_cache, v_cache, kv_bf16, block_tables,
-                                           ctx_lens, out, T, H, KVH, D, max_blocks,
+                                           ctx_lens, out, lse, T, H, KVH, D, max_blocks,
                                            block_size, max_ctx, scale, num_threads);
 }
 
 int baton_paged_decode_attention_qb(
         const float *q, const uint16_t *qb, const void *k_cache, const void *v_cache,
         int kv_bf16, const int64_t *block_tables, const int64_t *ctx_lens, float *out,
-        int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+        float *lse, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
         int64_t block_size, int64_t max_ctx, float scale, int num_threads) {
     if (KVH < 1 || H % KVH != 0) return 1;
     /* One task per query row when there are enough rows; with few rows, one
@@ -490,7 +497,7 @@ int baton_paged_decode_attention_qb(
             const int64_t h0 = (task % splits) * per_task;
             attention_task(q, qb, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out,
                            task / splits, h0, h0 + per_task, H, KVH, D, max_blocks,
-                           block_size, scale, scores, acc);
+                           block_size, scale, scores, acc, lse);
         }
         free(scores);
         free(acc);
