@@ -525,6 +525,25 @@ class _CountingDecode:
         self.rows.append(hidden.shape[0])
         return self.whole_step(hidden, *args)
 
+def _assert_whole_step_matches_layers(fast, layered, kind, *, seed: int, vocab_hi: int) -> None:
+    """Runs batches of 1, 4 and 5 prompts on `fast` with kind's whole-step
+    decode and on `layered` without one: the same greedy tokens, logprobs
+    within 0.01, and the whole step taken for every decode step of <= 4 rows
+    and never for more."""
+    fast._whole_step = _CountingDecode(fast._native_decode(kind))
+    layered._whole_step = None
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab_hi, (n,), generator=gen).tolist() for n in (1, 9, 3, 6, 2)]
+    for n in (1, 4, 5):
+        fast._whole_step.rows.clear()
+        ids_a, lp_a = _run(fast, prompts[:n], 8)
+        ids_b, lp_b = _run(layered, prompts[:n], 8)
+        assert ids_a == ids_b
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
+        steps = 9 if n == 1 else 8
+        assert fast._whole_step.rows == ([n] * steps if n <= 4 else [])
+
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bf16_weights_mode_agrees_with_its_torch_path(request, arch):
@@ -617,22 +636,11 @@ def test_native_bf16_whole_step_decode_agrees_with_its_layer_path(kind, request,
     assert (plan.activation_dtype, plan.linear, plan.whole_step_decode) == (
         "bfloat16", "bf16-gemv+onednn", 4)
     assert "whole-step decode <= 4 rows" in plan.describe()
-    fast._whole_step = _CountingDecode(fast._native_decode(kind))
     layered = _backend(path, "bfloat16")
-    layered._whole_step = None
-    gen = torch.Generator().manual_seed(17)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 3, 6, 2)]
-    for n in (1, 4, 5):
-        fast._whole_step.rows.clear()
-        ids_a, lp_a = _run(fast, prompts[:n], 8)
-        ids_b, lp_b = _run(layered, prompts[:n], 8)
-        assert ids_a == ids_b
-        # Only the summation order may differ (here: none at all between the
-        # avx512_bf16 step and the layers' gemv); the same step without its
-        # bf16 roundings is 0.03-0.1 off and changes tokens.
-        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
-        steps = 9 if n == 1 else 8
-        assert fast._whole_step.rows == ([n] * steps if n <= 4 else [])
+    # Only the summation order may differ (here: none at all between the
+    # avx512_bf16 step and the layers' gemv); the same step without its bf16
+    # roundings is 0.03-0.1 off and changes tokens.
+    _assert_whole_step_matches_layers(fast, layered, kind, seed=17, vocab_hi=500)
 
 
 def test_numerics_do_not_depend_on_the_compiler(tiny_llama_dir):

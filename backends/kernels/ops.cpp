@@ -310,6 +310,25 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(
   return {out, lse};
 }
 
+// The gemv's tiled bf16 weights of a [out_features, kk] matrix (rows in tiles
+// of 8, columns in tiles of 16: at least out_features rows when any_extra_tiles,
+// else exactly the tiles out_features needs) and an optional bias like x.
+void check_tiled_weights(const at::Tensor& w_tiled, int64_t out_features, int64_t kk,
+                         bool any_extra_tiles, const std::optional<at::Tensor>& bias,
+                         const at::Tensor& x) {
+  check_cpu(w_tiled, "w_tiled");
+  TORCH_CHECK(w_tiled.scalar_type() == at::kBFloat16 && w_tiled.dim() == 4 &&
+                  w_tiled.size(0) * 8 >= out_features &&
+                  (any_extra_tiles || w_tiled.size(0) * 8 < out_features + 8) &&
+                  w_tiled.size(1) * 16 == (kk + 15) / 16 * 16,
+              "baton: w_tiled must be the tiled bf16 layout of a [", out_features, ", ", kk,
+              "] matrix");
+  if (bias) {
+    check_like(*bias, x, "bias");
+    TORCH_CHECK(bias->numel() == out_features, "baton: bias must hold out_features values");
+  }
+}
+
 // x float32: y float32. x bfloat16 (a model run in bf16): y bfloat16, rounded
 // once from the float32 sum, as oneDNN's bf16 linear rounds.
 at::Tensor gemv_bf16_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t out_features,
@@ -322,15 +341,7 @@ at::Tensor gemv_bf16_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t 
   const int64_t m = x.size(0), kk = x.size(1);
   TORCH_CHECK(m >= 1 && m <= gemv_max_rows[k](), "baton: gemv_bf16 takes 1 to ",
               gemv_max_rows[k](), " rows, got ", m);
-  check_cpu(w_tiled, "w_tiled");
-  TORCH_CHECK(w_tiled.scalar_type() == at::kBFloat16 && w_tiled.dim() == 4 &&
-                  w_tiled.size(0) * 8 >= out_features && w_tiled.size(1) * 16 == (kk + 15) / 16 * 16,
-              "baton: w_tiled must be the tiled bf16 layout of a [", out_features, ", ", kk,
-              "] matrix");
-  if (bias) {
-    check_like(*bias, x, "bias");
-    TORCH_CHECK(bias->numel() == out_features, "baton: bias must hold out_features values");
-  }
+  check_tiled_weights(w_tiled, out_features, kk, true, bias, x);
   at::Tensor y = at::empty({m, out_features}, x.options());
   const auto* w = static_cast<const uint16_t*>(w_tiled.data_ptr());
   int rc;
@@ -362,17 +373,7 @@ at::Tensor linear_amx_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2,
               "baton: linear_amx takes bfloat16 x [M, K]");
   const int64_t m = x.size(0), kk = x.size(1);
-  check_cpu(w_tiled, "w_tiled");
-  TORCH_CHECK(w_tiled.scalar_type() == at::kBFloat16 && w_tiled.dim() == 4 &&
-                  w_tiled.size(0) * 8 >= out_features &&
-                  w_tiled.size(0) * 8 < out_features + 8 &&
-                  w_tiled.size(1) * 16 == (kk + 15) / 16 * 16,
-              "baton: w_tiled must be the tiled bf16 layout of a [", out_features, ", ", kk,
-              "] matrix");
-  if (bias) {
-    check_like(*bias, x, "bias");
-    TORCH_CHECK(bias->numel() == out_features, "baton: bias must hold out_features values");
-  }
+  check_tiled_weights(w_tiled, out_features, kk, false, bias, x);
   at::Tensor y = at::empty({m, out_features}, x.options());
   if (m == 0) return y;
   const int rc = linear_amx_fn[k](static_cast<const uint16_t*>(x.data_ptr()),
