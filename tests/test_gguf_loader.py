@@ -275,6 +275,24 @@ def tiny_llama_writer(path: pathlib.Path, name: str, *, hidden: int, ffn: int, h
     return writer
 
 
+def write_typed_tensors(writer: gguf.GGUFWriter,
+                        tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]) -> None:
+    """Add each float32 array as the given GGML type (F32 and F16 as they
+    are, others quantized by gguf-py), then write the file and close it."""
+    for name, (array, kind) in tensors.items():
+        if kind == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, array.astype(np.float16))
+        elif kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        else:
+            data = gguf.quants.quantize(array, kind)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(path: pathlib.Path, arch: str, tensors: dict[str, np.ndarray], *,
                hidden: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2, ffn: int = 24,
                key_length: int | None = None, pre: str = "qwen2", quantized: Sequence[str] = (),

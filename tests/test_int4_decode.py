@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -25,7 +24,8 @@ from backends.loader.gguf import load_gguf
 from backends.quantization import QuantizationSpec, gguf_block_types, resident_weight_bytes
 from backends.quantization.int4 import Int4Linear, int4_panels, quantize_int4
 from tests.test_cpu_kernels import _assert_whole_step_matches_layers
-from tests.test_gguf_loader import llama_cpp_permute, tiny_llama_writer
+from tests.test_cpu_kernels import _kind_or_skip as _cpu_kind_or_skip
+from tests.test_gguf_loader import llama_cpp_permute, tiny_llama_writer, write_typed_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = CpuFeatures.detect()
@@ -33,13 +33,7 @@ FORM = native.torch_int4_form()
 
 
 def _kind_or_skip(kind: str) -> str:
-    if kind not in CPU.kinds:
-        pytest.skip(f"this CPU ({CPU.describe()}) cannot run the {kind} kernels")
-    ok, reason = native.available(kind)
-    if not ok:
-        if os.environ.get("CI"):
-            pytest.fail(f"the {kind} kernels did not build: {reason}")
-        pytest.skip(f"the {kind} kernels cannot be built here: {reason}")
+    _cpu_kind_or_skip(kind)
     if FORM is None:
         pytest.skip(f"torch's int4 kernel runs at capability "
                     f"{torch.backends.cpu.get_cpu_capability()}: no native int4 gemv "
@@ -194,16 +188,7 @@ def q4_gguf(tmp_path_factory) -> Path:
             p + "ffn_gate.weight": (r(FFN, HIDDEN), T.Q4_1),
             p + "ffn_up.weight": (r(FFN, HIDDEN), T.Q4_1),
             p + "ffn_down.weight": (r(HIDDEN, FFN), T.Q4_1)}
-    for name, (array, kind) in tensors.items():
-        if kind == T.F32:
-            writer.add_tensor(name, array)
-        else:
-            data = gguf.quants.quantize(array, kind)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_typed_tensors(writer, tensors)
     return path
 
 

@@ -36,7 +36,8 @@ from backends.quantization.int8 import Int8Linear, dequantize_int8, quantize_int
 from service.config import EngineArgs
 from tests.engine_helpers import assert_all_free, make_engine, run_all
 from tests.server_helpers import free_port, running_server
-from tests.test_gguf_loader import TINY_TOKENS, llama_cpp_permute, tiny_llama_writer
+from tests.test_gguf_loader import (TINY_TOKENS, llama_cpp_permute, tiny_llama_writer,
+                                    write_typed_tensors)
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16_EPS = 2.0 ** -8  # relative rounding of a bfloat16 activation
@@ -192,19 +193,8 @@ def tiny_gguf(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.Q4_1.gguf"
     writer = tiny_llama_writer(path, "tiny-llama", hidden=HIDDEN, ffn=FFN, heads=HEADS,
                                kv_heads=KV_HEADS)
-    for name, array in tensors.items():
-        kind = GGUF_TYPES.get(name, T.F32)
-        if kind == T.F16:
-            writer.add_tensor(name, array.astype(np.float16))
-        elif kind == T.F32:
-            writer.add_tensor(name, array)
-        else:
-            data = gguf.quants.quantize(array, kind)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_typed_tensors(writer, {name: (array, GGUF_TYPES.get(name, T.F32))
+                                 for name, array in tensors.items()})
     return path
 
 
