@@ -181,6 +181,10 @@ class ExecutionPlan:
     # rest from the native kernel) or "none".
     shared_prefix_decode: str = "none"
     activation: str = "torch"        # act(gate)*up: native | torch
+    # The greedy pick of plain greedy rows (no logprobs, bias, penalties or
+    # grammar): "native" (baton::row_max over the logits in the activation
+    # dtype: one read, torch.argmax's ties) or "torch" (float32 logits, argmax).
+    greedy_pick: str = "torch"
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
     amx_linear_rows: int = 0         # max rows of the AMX tile linear (above the gemv's); 0 off
@@ -215,7 +219,8 @@ class ExecutionPlan:
                  f"kernels {kernels}", f"norm {self.norm}", f"rope+kv {self.rope_kv_store}",
                  f"decode attention {self.decode_attention}",
                  f"prefill attention {self.prefill_attention}",
-                 f"{self.mlp_activation} {self.activation}"]
+                 f"{self.mlp_activation} {self.activation}",
+                 f"greedy pick {self.greedy_pick}"]
         if self.sliding_attention != "none":
             parts.append(f"sliding-window attention {self.sliding_attention}")
         if self.softcap_attention != "none":
@@ -399,6 +404,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         decode_attention="native" if native else "torch-sdpa",
         shared_prefix_decode="cascade" if native else "none",
         activation="native" if native else "torch",
+        greedy_pick="native" if native else "torch",
         whole_step_decode=whole_step, whole_step_weights=whole_weights,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,

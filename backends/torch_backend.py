@@ -33,12 +33,12 @@ from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutpu
 from backends.execution import ExecutionPlan
 from backends.linear import swap_linears
 from backends.models.decoder import DecoderLM
-from backends.ops import build_ops
+from backends.ops import build_greedy_pick, build_ops
 from backends.parallel.group import ForwardRow, TensorParallelGroup
 from backends.quantization.spec import QuantizationSpec, projection_formats
 from backends.rope import local_rope_table, rope_table
-from backends.sampler import (DeferredMasks, PenaltyInputs, SamplingBatch, mask_can_wait,
-                             sample)
+from backends.sampler import (DeferredMasks, PenaltyInputs, SamplerOutput, SamplingBatch,
+                             greedy_pick, mask_can_wait, plain_greedy, sample)
 
 log = logging.getLogger("baton.backend")
 
@@ -118,6 +118,7 @@ class TorchBackend:
         cos_table, sin_table = rope_table(self.config, positions, act, self.device)
         local_tables = local_rope_table(self.config, positions, act, self.device)
         self.ops = build_ops(plan)
+        self._greedy_pick = build_greedy_pick(plan)
         with torch.device("meta"):
             self.model = DecoderLM(self.model_config, self.ops, cos_table, sin_table,
                                    local_tables)
@@ -356,7 +357,9 @@ class TorchBackend:
                            meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[logits_index])
+        plain = (self._greedy_pick is not None and not constrained and not waiting
+                 and plain_greedy(batch))
+        logits = self.model.compute_logits(hidden[logits_index], float32=not plain)
         prompt_logprobs = self._prompt_logprobs(spans, hidden)
         t2 = time.perf_counter()
         timings.forward = t2 - t1
@@ -366,10 +369,14 @@ class TorchBackend:
                              masks.result().to(self.device))
         # A row with a NaN or an infinity cannot be sampled; its request fails
         # alone (amax propagates NaN). -1 marks it in the one host transfer.
-        finite = torch.isfinite(logits.amax(dim=-1))
-        if waiting:
-            repicked = self._defer_masks(batch, waiting, finite)
-        out = sample(logits, batch)
+        if plain:
+            ids, finite = greedy_pick(logits, self._greedy_pick)
+            out = SamplerOutput(ids, None, None, None)
+        else:
+            finite = torch.isfinite(logits.amax(dim=-1))
+            if waiting:
+                repicked = self._defer_masks(batch, waiting, finite)
+            out = sample(logits, batch)
         token_ids = out.token_ids.where(finite, -1).tolist()
         if waiting:
             constrained += repicked

@@ -49,7 +49,7 @@ log = logging.getLogger("baton.kernels")
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
     "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "gemv_q4.c", "decode_bf16.c",
-    "amx_bf16.c")]
+    "amx_bf16.c", "row_max.c")]
 _HEADERS = [_HERE / "kernels.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
@@ -248,6 +248,11 @@ def _register_fakes() -> None:
     @fake("baton::linear_amx")
     def _linear_amx(x, w_tiled, out_features, bias, kind):
         return x.new_empty(x.shape[0], out_features)
+
+    @fake("baton::row_max")
+    def _row_max(x, kind):
+        return (x.new_empty(x.shape[0], dtype=torch.float32),
+                x.new_empty(x.shape[0], dtype=torch.long))
 
 
 class GemvBf16:

@@ -41,6 +41,8 @@
 #define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
 #define baton_gemv_q4_tiles BATON_FN(baton_gemv_q4_tiles)
 #define baton_gemv_q4 BATON_FN(baton_gemv_q4)
+#define baton_row_max_f32 BATON_FN(baton_row_max_f32)
+#define baton_row_max_bf16 BATON_FN(baton_row_max_bf16)
 
 #include <math.h>
 #include <stdint.h>

@@ -49,7 +49,9 @@ extern "C" {
   int baton_gemv_bf16_max_rows_##kind(void);                                                 \
   int baton_amx_bf16_ready_##kind(void);                                                     \
   int baton_linear_amx_bf16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
-                                   uint16_t*, int64_t, int64_t, int64_t, int);
+                                   uint16_t*, int64_t, int64_t, int64_t, int);              \
+  int baton_row_max_f32_##kind(const float*, int64_t, int64_t, float*, int64_t*, int);       \
+  int baton_row_max_bf16_##kind(const uint16_t*, int64_t, int64_t, float*, int64_t*, int);
 BATON_DECLARE(portable)
 #ifndef BATON_PORTABLE_ONLY
 BATON_DECLARE(avx2)
@@ -93,6 +95,8 @@ decltype(&baton_amx_bf16_ready_portable) const amx_ready_fn[] =
     BATON_TABLE(baton_amx_bf16_ready);
 decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
     BATON_TABLE(baton_linear_amx_bf16);
+decltype(&baton_row_max_f32_portable) const row_max_f32[] = BATON_TABLE(baton_row_max_f32);
+decltype(&baton_row_max_bf16_portable) const row_max_bf16[] = BATON_TABLE(baton_row_max_bf16);
 
 bool cpu_runs(int kind) {
 #if defined(BATON_PORTABLE_ONLY) || !(defined(__x86_64__) || defined(__i386__))
@@ -385,6 +389,26 @@ at::Tensor linear_amx_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t
   return y;
 }
 
+// Each row's largest value (as float32) and the first index holding it:
+// torch.max(x, dim=-1) (a NaN wins, the first one), in one read of the row.
+std::tuple<at::Tensor, at::Tensor> row_max(const at::Tensor& x, int64_t kind) {
+  const int k = check_kind(kind);
+  check_act(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "baton: row_max takes [rows, n > 0]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor values = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor indices = at::empty({rows}, x.options().dtype(at::kLong));
+  int rc;
+  if (x.scalar_type() == at::kFloat)
+    rc = row_max_f32[k](x.data_ptr<float>(), rows, n, values.data_ptr<float>(),
+                        indices.data_ptr<int64_t>(), threads());
+  else
+    rc = row_max_bf16[k](static_cast<const uint16_t*>(x.data_ptr()), rows, n,
+                         values.data_ptr<float>(), indices.data_ptr<int64_t>(), threads());
+  check_rc(rc, "row_max");
+  return {values, indices};
+}
+
 bool amx_ready(int64_t kind) { return kind_runs(kind) && amx_ready_fn[kind](); }
 
 bool kind_runs(int64_t kind) { return kind >= 0 && kind < kNumKinds && cpu_runs(kind); }
@@ -409,6 +433,7 @@ TORCH_LIBRARY(baton, m) {
         "-> Tensor");
   m.def("linear_amx(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
         "-> Tensor");
+  m.def("row_max(Tensor x, int kind) -> (Tensor values, Tensor indices)");
   m.def("kind_runs(int kind) -> bool", kind_runs);
   m.def("amx_ready(int kind) -> bool", amx_ready);
 }
@@ -421,4 +446,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("paged_decode_attention_lse", paged_decode_attention_lse);
   m.impl("gemv_bf16", gemv_bf16_op);
   m.impl("linear_amx", linear_amx_op);
+  m.impl("row_max", row_max);
 }

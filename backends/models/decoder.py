@@ -161,13 +161,15 @@ class DecoderLM(nn.Module):
             delta = layer(residual, delta, positions, cos, sin, k_cache, v_cache, meta)
         return self.ops.add_rms_norm(residual, delta, self.norm, self.config.rms_norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given rows (soft-capped, for Gemma 2)."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits for the given rows (soft-capped, for Gemma 2): float32, or
+        with ``float32=False`` in the dtype they are computed in (for a pick
+        that only compares them: widening to float32 keeps their order)."""
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.to(torch.float32)
+        return logits.to(torch.float32) if float32 else logits
 
     # ----------------------------------------------------------------- weights
     def load_weights(self, weights: dict[str, torch.Tensor], device: torch.device,
