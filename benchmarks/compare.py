@@ -22,6 +22,13 @@ workload. `--pair NAME:PEER:BOUND` replaces the bound of the TTFT goal of
 shared-prefix and multi-turn for that pair (e.g. cache on against cache off,
 TTFT p50 <= 0.25); long-prefill keeps its own.
 
+Each measurement's line also says how many CPUs the server (a started one's
+process group), this client and every other process used meanwhile
+(benchmarks/machine_load.py); a measurement during which other processes
+used more than DISTURBED_CPUS is marked DISTURBED and listed after the
+tables: on a 2-core machine one busy process halves a server's speed, so such
+a round compares nothing. Server logs keep every round (`compare-NAME.log`).
+
     .venv/bin/python benchmarks/compare.py \\
         --server baton=http://127.0.0.1:8000 --server vllm=http://127.0.0.1:8001 \\
         [--start 'baton=baton serve --port 8000'] \\
@@ -50,6 +57,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine_load import LoadReport, LoadWindow  # noqa: E402
 from benchmarks.serve_load import (LoadResult, LoadSetupError, fetch_model_id,  # noqa: E402
                                    normalize_base_url, run_cli, run_load,
                                    wait_until_serving)
@@ -109,13 +117,19 @@ def parse_pairs(values: list[str], what: str) -> dict[str, str]:
 
 
 class StartedServer:
-    """A server command run in its own process group; stopped on exit."""
+    """A server command run in its own process group; stopped on exit.
+    Its output goes to ``compare-NAME.log``; round > 1 appends to the log of
+    the rounds before (each round begins with a header line), so a slow
+    round's server log is still there to read."""
 
-    def __init__(self, name: str, command: str, log_dir: Path) -> None:
+    def __init__(self, name: str, command: str, log_dir: Path, round_number: int = 1) -> None:
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"compare-{name}.log"
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w" if round_number <= 1 else "a")
+        stamp = datetime.now(timezone.utc).strftime("%H:%M:%S UTC")
+        self._log.write(f"=== compare.py: round {round_number}, started {stamp}: {command}\n")
+        self._log.flush()
         self.proc = subprocess.Popen(command, shell=True, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -147,7 +161,7 @@ class StartedServer:
 
 
 async def measure(name: str, base_url: str, args: argparse.Namespace,
-                  seed: int) -> dict[int, LoadResult]:
+                  seed: int, server_pgid: int | None = None) -> dict[int, LoadResult]:
     """Every concurrency against one server; request indices never repeat."""
     model = await fetch_model_id(base_url, args.api_key, 30.0)
     common = dict(prompt_len=args.prompt_len, seed=seed, vocab=args.vocab,
@@ -156,13 +170,16 @@ async def measure(name: str, base_url: str, args: argparse.Namespace,
     results: dict[int, LoadResult] = {}
     next_request = 1
     for concurrency, n in zip(args.concurrency, args.num_requests):
+        window = LoadWindow(server_pgid)
+        window.start()
         result = await run_load(base_url, model, concurrency, n, output_len=args.output_len,
                                 first_request=next_request, **common)
+        load = window.stop()
         next_request += n
         results[concurrency] = result
         print(f"  {name} c={concurrency}: {result.output_tok_per_s:.1f} tok/s, "
               f"ok {result.num_ok}/{n}, TTFT p50 {_fmt(result.ttft_p50_ms, '{:.0f}')} ms, "
-              f"ITL p50 {_fmt(result.itl_p50_ms, '{:.1f}')} ms", flush=True)
+              f"ITL p50 {_fmt(result.itl_p50_ms, '{:.1f}')} ms{_load_note(load)}", flush=True)
         # A peer's failed or short request is counted (the table's last
         # column) and the comparison goes on; its figures cover the rest.
         if result.num_errors:
@@ -184,23 +201,58 @@ async def _warm_up(name: str, base_url: str, model: str, args: argparse.Namespac
 
 
 async def measure_workloads(name: str, base_url: str, args: argparse.Namespace,
-                            seed: int) -> dict[str, dict]:
+                            seed: int, server_pgid: int | None = None) -> dict[str, dict]:
     """Each --workload against one server, in turn: {workload: figures}."""
     model = await fetch_model_id(base_url, args.api_key, 30.0)
     # the warm-up's prompt is drawn from another seed than the workloads'
     await _warm_up(name, base_url, model, args, dict(seed=seed + 1))
     out = {}
     for workload in args.workload_names:
+        window = LoadWindow(server_pgid)
+        window.start()
         try:
             figures = await run_workload(workload, base_url, model, seed,
                                          workload_options(args, workload))
         except RuntimeError as exc:
             raise LoadSetupError(f"{name}: {workload}: {exc}") from None
+        load = window.stop()
+        if load is not None:
+            figures["cpu_use"] = load.to_dict()
         cells = [f"{label} {_fmt(figures.get(key), fmt)}"
                  for label, key, fmt in WORKLOAD_COLUMNS[workload]]
-        print(f"  {name} {workload}: " + ", ".join(cells), flush=True)
+        print(f"  {name} {workload}: " + ", ".join(cells) + _load_note(load), flush=True)
         out[workload] = figures
     return out
+
+
+# Other processes using more than this many CPUs on average during a
+# measurement: its figures are flagged as disturbed.
+DISTURBED_CPUS = 0.25
+
+
+def _load_note(load: LoadReport | None) -> str:
+    """What the rest of the machine used during a measurement, for its line."""
+    if load is None:
+        return ""
+    if load.others is None:
+        return f"; CPUs busy {load.machine:.2f} (client {load.client:.2f})"
+    flag = " DISTURBED" if load.others > DISTURBED_CPUS else ""
+    return (f"; CPUs: server {load.server:.2f}, client {load.client:.2f}, "
+            f"other processes {load.others:.2f}{flag}")
+
+
+def disturbed_rounds(all_figures: dict[str, list[dict]]) -> list[str]:
+    """'NAME round R WORKLOAD: other processes X CPUs' for every measurement
+    during which other processes used more than DISTURBED_CPUS."""
+    lines = []
+    for name, rounds in all_figures.items():
+        for r, workloads in enumerate(rounds, 1):
+            for workload, figures in workloads.items():
+                others = (figures.get("cpu_use") or {}).get("other_cpus")
+                if others is not None and others > DISTURBED_CPUS:
+                    lines.append(f"{name} round {r} {workload}: other processes used "
+                                 f"{others:.2f} CPUs")
+    return lines
 
 
 def figure_table(all_figures: dict[str, list[dict]], workload: str) -> list[str]:
@@ -363,8 +415,11 @@ async def _main(args: argparse.Namespace) -> int:
         for k, (name, url) in enumerate(args.servers.items()):
             base = normalize_base_url(url)
             started = None
+            pgid = None  # the server's process group, when started here (its own session)
             if name in args.starts:
-                started = StartedServer(name, args.starts[name], Path(args.log_dir))
+                started = StartedServer(name, args.starts[name], Path(args.log_dir),
+                                        round_index + 1)
+                pgid = started.proc.pid
             try:
                 if started:
                     print(f"starting {name} (round {round_index + 1}) ...", flush=True)
@@ -374,11 +429,11 @@ async def _main(args: argparse.Namespace) -> int:
                     # round (a server kept running would still have them)
                     run_seed = seed + 7_919_993 * round_index
                     all_results[name].append(
-                        await measure_workloads(name, base, args, run_seed))
+                        await measure_workloads(name, base, args, run_seed, pgid))
                     continue
                 # A distinct seed per server and round: no prompt is ever resent.
                 run_seed = seed + 1_000_003 * k + 7_919_993 * round_index
-                all_results[name].append(await measure(name, base, args, run_seed))
+                all_results[name].append(await measure(name, base, args, run_seed, pgid))
             finally:
                 if started:
                     started.stop()
@@ -425,6 +480,14 @@ def _report_workloads(args: argparse.Namespace, date: str, seed: int,
         for line in lines:
             print(line)
         report["workloads"][workload] = {"options": options, "ratios": ratios_report}
+    disturbed = disturbed_rounds(all_results)
+    if disturbed:
+        print()
+        print(f"Disturbed (other processes used more than {DISTURBED_CPUS} CPUs on average; "
+              "those rounds' figures say little about the server):")
+        for line in disturbed:
+            print(f"  {line}")
+    report["disturbed"] = disturbed
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

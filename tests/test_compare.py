@@ -110,16 +110,23 @@ def test_started_servers_are_measured_then_stopped(tmp_path):
     ports = [_free_port(), _free_port()]
     argv = [sys.executable, str(ROOT / "benchmarks" / "compare.py"),
             "--concurrency", "1", "2", "--num-requests", "2", "2",
-            "--prompt-len", "4", "--output-len", "3", "--log-dir", str(tmp_path / "logs")]
+            "--prompt-len", "4", "--output-len", "3", "--log-dir", str(tmp_path / "logs"),
+            "--rounds", "2"]
     for name, port in zip(("a", "b"), ports):
         argv += ["--server", f"{name}=http://127.0.0.1:{port}",
                  "--start", f"{name}={sys.executable} {script} {port}"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "| a |" in out.stdout and "| b |" in out.stdout
-    # The log folder is created when missing; each started server has a log.
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
-        "compare-a.log", "compare-b.log"]
+    # The log folder is created when missing; each started server has one
+    # log, which keeps every round (a slow round's log is not overwritten).
+    logs = tmp_path / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["compare-a.log", "compare-b.log"]
+    for name in ("a", "b"):
+        headers = [line for line in (logs / f"compare-{name}.log").read_text().splitlines()
+                   if line.startswith("=== compare.py: round")]
+        assert [h.split(",")[0] for h in headers] == [
+            "=== compare.py: round 1", "=== compare.py: round 2"]
     time.sleep(0.5)
     for port in ports:  # both stopped: nothing listens any more
         with socket.socket() as s:
