@@ -142,7 +142,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
     noise = race = None
     if batch.all_greedy:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_argmax(logits)
     else:
         token_ids, noise, race = _sample_random(logits, batch)
     if batch.deferred is not None:
@@ -155,6 +155,39 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.num_logprobs:
         top_values, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
     return SamplerOutput(token_ids, chosen, top_ids, top_values)
+
+
+# greedy_argmax's block length: a block's maximum is a vectorised reduction,
+# and only one block per row is searched for the index.
+_ARGMAX_BLOCK = 1024
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [S, V] logits, the same index (the first
+    maximum) found in two cheap passes: each block's maximum (amax, which
+    torch vectorises), then the first index of the maximum inside the first
+    block that holds it. torch's argmax over the whole row does not
+    vectorise: ~0.9 ms for 16 rows of a 49,152-token vocabulary on 2 cores,
+    ~0.1 ms this way, in every step. NaN compares as the maximum in both
+    (amax propagates it, and argmax takes the first NaN), and so does a
+    row of only -inf (index 0)."""
+    rows, vocab = logits.shape
+    nblocks = vocab // _ARGMAX_BLOCK
+    if rows == 0 or nblocks < 2 or logits.stride(1) != 1:
+        return logits.argmax(dim=-1)
+    main = nblocks * _ARGMAX_BLOCK
+    blocks = logits.as_strided((rows, nblocks, _ARGMAX_BLOCK),
+                               (logits.stride(0), _ARGMAX_BLOCK, 1))
+    block_max = blocks.amax(dim=-1)                                   # [S, nblocks]
+    if main < vocab:  # the tail as one more (shorter) block
+        block_max = torch.cat([block_max, logits[:, main:].amax(dim=-1, keepdim=True)], 1)
+    best = block_max.argmax(dim=-1)                                   # first block with the max
+    rows_index = torch.arange(rows, device=logits.device)
+    in_block = blocks[rows_index, best.clamp(max=nblocks - 1)].argmax(dim=-1)
+    index = best * _ARGMAX_BLOCK + in_block
+    if main < vocab:  # rows whose first maximum lies in the tail
+        index = torch.where(best < nblocks, index, main + logits[:, main:].argmax(dim=-1))
+    return index
 
 
 # A sampled row's unmasked pick stands only if its p / E beats every other
@@ -266,7 +299,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The picked ids, the noise drawn for them (clamped) and the race
     (p / E) the sampled rows' ids won."""
-    greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+    greedy_ids = greedy_argmax(logits) if batch.greedy is not None else None
     scaled = logits / batch.temperature.unsqueeze(1)
     if batch.top_k is not None or batch.top_p is not None:
         _mask_top_k_top_p(scaled, batch.top_k, batch.top_p)
@@ -276,7 +309,7 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch
         probs = probs.masked_fill(probs < threshold, 0.0)
     noise = _exponential_noise(probs, batch)
     race = probs / noise
-    sampled = race.argmax(dim=-1)
+    sampled = greedy_argmax(race)
     if greedy_ids is not None:
         sampled = torch.where(batch.greedy, greedy_ids, sampled)
     return sampled, noise, race

@@ -283,6 +283,30 @@ def test_masked_argmax_equals_masking_then_argmax():
         assert torch.equal(masked_argmax(logits, rows, bitmask), full[rows].argmax(dim=-1)), trial
 
 
+def test_greedy_argmax_equals_argmax():
+    """The blockwise greedy argmax gives torch's argmax on every row: ties
+    (to the lowest id, across blocks and inside one), a maximum in the tail
+    past the last whole block, rows of only -inf (0), NaN (the first NaN),
+    a non-contiguous view, vocabularies under two blocks."""
+    from backends.sampler import _ARGMAX_BLOCK, greedy_argmax
+    gen = torch.Generator().manual_seed(5)
+    vocabs = (_ARGMAX_BLOCK - 1, 2 * _ARGMAX_BLOCK, 3 * _ARGMAX_BLOCK + 17, 49152, 49157)
+    for trial in range(100):
+        vocab = vocabs[trial % len(vocabs)]
+        logits = torch.randint(-4, 4, (7, vocab), generator=gen).float()  # many ties
+        if trial % 2:
+            logits = torch.randn(7, vocab, generator=gen)
+        logits[logits == -4] = float("-inf")
+        logits[1] = float("-inf")
+        logits[2, -3:] = 10.0            # the maximum in the tail (or the last block)
+        logits[3, vocab // 2] = float("nan")
+        logits[4, _ARGMAX_BLOCK - 1:_ARGMAX_BLOCK + 1] = 20.0  # a tie across two blocks
+        assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1)), trial
+        wide = torch.randn(3, vocab + 5, generator=gen)[:, 2:vocab + 2]  # strided rows
+        assert torch.equal(greedy_argmax(wide), wide.argmax(dim=-1)), trial
+    assert greedy_argmax(torch.empty(0, 49152)).shape == (0,)
+
+
 def _batch(vocab: int, greedy: list[bool], seeds: list[int], allowed=None, deferred=None,
            top_p: float | None = None, logprobs: int | None = None):
     from backends.sampler import SamplingBatch
