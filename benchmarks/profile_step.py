@@ -6,6 +6,13 @@ Builds BATCH requests of CONTEXT random prompt tokens on the embedded model
 
     .venv/bin/python benchmarks/profile_step.py --batch 32 --context 160 \
         [--dtype float32] [--threads 2] [--profile]
+
+Steps of the prefix-cache workloads (benchmarks/workloads.py), bf16:
+shared-prefix admission ``--batch 12 --context 1000 --shared-prefix
+--prefill-rows 5``; multi-turn, a later turn's suffix over its cached history
+``--batch 15 --context 700 --prefill-rows 1``, a first turn among running
+conversations ``--batch 15 --context 460 --prefill-rows 1 --prefill-len 444
+--chunk-context 0``.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ def main() -> None:
                          "cached prefix of --context tokens (a shared-prefix step)")
     ap.add_argument("--prefill-len", type=int, default=100,
                     help="tokens of each --prefill-rows chunk")
+    ap.add_argument("--chunk-context", type=int, default=None,
+                    help="tokens cached before each --prefill-rows chunk (default --context; "
+                         "0: the chunks are fresh prompts, as a new conversation's first turn)")
     ap.add_argument("--shared-prefix", action="store_true",
                     help="every request's prompt is the same --context tokens and their "
                          "full blocks are shared (the prefix cache's layout): decodes of "
@@ -70,7 +80,10 @@ def main() -> None:
     else:
         loaded = load_model(path, dtype=DTYPES[args.dtype])
     bs = args.block_size
-    max_ctx = args.context + max(args.steps * 2, args.prefill_len) + 8
+    chunk_ctx = args.context if args.chunk_context is None else args.chunk_context
+    if args.shared_prefix and chunk_ctx != args.context:
+        ap.error("--shared-prefix chunks attend to the shared --context tokens")
+    max_ctx = max(args.context + args.steps * 2, chunk_ctx + args.prefill_len) + 8
     blocks_per = -(-max_ctx // bs)
     num_seqs = args.batch + args.prefill_rows
     backend = create_backend(loaded, BackendConfig(
@@ -97,9 +110,13 @@ def main() -> None:
             table = list(range(1, 1 + full)) + table[full:]
             prompt = shared
         reqs.append([f"r{i}", prompt, table])
-    # Prefill one request at a time.
+    # Prefill one request at a time (the chunks' requests: their cached part).
     last = {}
-    for rid, prompt, table in reqs:
+    for i, (rid, prompt, table) in enumerate(reqs):
+        if i >= args.batch:
+            prompt = prompt[:chunk_ctx]
+            if not prompt:
+                continue
         res = backend.execute(SchedulerOutput([ScheduledRequest(
             rid, prompt, 0, table, True, params, 0, prompt)]))
         last[rid] = res.token_ids[0]
@@ -112,8 +129,9 @@ def main() -> None:
         # The chunks recompute the same positions every step (same cost).
         out = SchedulerOutput([ScheduledRequest(rid, [last[rid]], pos, table, True, params, 1)
                                for rid, _p, table in decodes]
-                              + [ScheduledRequest(rid, suffix, args.context, table, True,
-                                                  params, 0) for rid, _p, table in chunks])
+                              + [ScheduledRequest(rid, suffix, chunk_ctx, table, True,
+                                                  params, 0, None if chunk_ctx else suffix)
+                                 for rid, _p, table in chunks])
         t = time.perf_counter()
         res = backend.execute(out)
         dt = time.perf_counter() - t
@@ -133,7 +151,8 @@ def main() -> None:
           f"{torch.get_num_threads()}: step p50 {statistics.median(ms):.1f} ms "
           f"(min {min(ms):.1f}), forward p50 {fwd:.1f} ms, "
           f"{args.batch / statistics.median(ms) * 1e3:.0f} tok/s"
-          + (f" (+ {args.prefill_rows} chunks of {args.prefill_len})" if chunks else ""))
+          + (f" (+ {args.prefill_rows} chunks of {args.prefill_len} over {chunk_ctx} cached)"
+             if chunks else ""))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU]) as prof:
