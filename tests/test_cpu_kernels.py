@@ -283,6 +283,62 @@ def test_kernel_ignores_slots_past_each_length(kernel):
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+@pytest.fixture
+def threads(request):
+    """Runs the test body at the given torch thread count (the kernel's)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_split_their_contexts_across_threads(kind, threads, num_threads, kv_dtype,
+                                                      q_dtype):
+    """With fewer than two rows per thread and contexts of >= 256 positions,
+    each row's context is cut into chunks of whole blocks, each (row, kv
+    head, chunk) a task, merged by their log-sum-exps (paged_attention.c,
+    context_chunks: two threads and one row of 2001 positions make 6
+    chunks). Ragged lengths (one a single block, one not a multiple of the
+    block size, chunks past a row's end), a table whose unused entries point
+    at blocks full of NaN, and the log-sum-exp output all as without
+    chunks: the reference and the lse operator agree."""
+    threads(num_threads)
+    k = native.kind_id(kind)
+    gen = torch.Generator().manual_seed(31)
+    h, kvh, d, bs, num_blocks = 9, 3, 64, 16, 400
+    k_cache = torch.randn(num_blocks * bs, kvh, d, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks * bs, kvh, d, generator=gen).to(kv_dtype)
+    k_cache[:bs] = float("nan")   # block 0: what the unused table entries point at
+    v_cache[:bs] = float("nan")
+    for lens in ([2001], [2001, 16], [300, 1100, 7]):
+        lens = torch.tensor(lens)
+        nb = int(-(-lens.max() // bs))
+        tables = torch.zeros(len(lens), nb, dtype=torch.long)
+        perm = 1 + torch.randperm(num_blocks - 1, generator=gen)
+        for i, n in enumerate(lens.tolist()):
+            tables[i, :-(-n // bs)] = perm[i * nb:i * nb + -(-n // bs)]
+        q = torch.randn(len(lens), h, d, generator=gen).to(q_dtype)
+        scale = d ** -0.5
+        out, lse = torch.ops.baton.paged_decode_attention_lse(
+            q, k_cache, v_cache, tables, lens, int(lens.max()), bs, scale, k)
+        plain = torch.ops.baton.paged_decode_attention(q, k_cache, v_cache, tables, lens,
+                                                       int(lens.max()), bs, scale, k)
+        assert torch.equal(out, plain)
+        clean = tables.clone()
+        clean[clean == 0] = perm[-1]  # SDPA masks the padding, but NaN * 0 is NaN
+        ref = _reference(q.float(), k_cache.float(), v_cache.float(), clean, lens, bs, scale)
+        torch.testing.assert_close(out.float(), ref, **(BF16_ULP if q_dtype == torch.bfloat16
+                                                        else dict(atol=2e-5, rtol=1e-4)))
+        keys = k_cache.float().view(-1, bs, kvh, d)[clean].flatten(1, 2)
+        keys = keys.repeat_interleave(h // kvh, dim=2)
+        scores = torch.einsum("thd,tlhd->thl", q.float(), keys) * scale
+        hidden = torch.arange(scores.shape[-1])[None, None] >= lens[:, None, None]
+        expected = torch.logsumexp(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        torch.testing.assert_close(lse, expected, atol=2e-5, rtol=1e-5)
+
+
 def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     """Without a C compiler the loader says why and returns None; it never raises."""
     code = ("import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.INFO); "

@@ -7,6 +7,19 @@
  * of query heads that share the kv head, takes a softmax over the scores and
  * accumulates V. Tasks run in parallel on the process's OpenMP pool (the same
  * libgomp torch uses, so no second set of threads competes for the cores).
+ * With fewer rows than two per thread, each row's context is also cut into
+ * chunks of whole blocks, one task each, whose partial results merge by
+ * their log-sum-exps (split_context): a lone long row keeps both cores busy.
+ *
+ * The builds agree to rounding, not bit for bit: the AVX-512 kinds take the
+ * softmax's sum over sixteen lanes (the AVX2 kind over eight), the
+ * AVX512_BF16 kind its bf16 scores in another order, and the split-context
+ * path depends on the thread count. Within a build and thread count the
+ * result is one function of the inputs (with or without lse).
+ *
+ * Software prefetch of the next blocks was measured (2026-12-01, one and
+ * two blocks ahead, to L1 and to L2): no gain over the hardware prefetchers
+ * on the 6 KB blocks here, so none is issued.
  *
  * Layouts (all contiguous):
  *   q, out            [T, H, D]
@@ -20,6 +33,44 @@
 
 #include "kernels.h"
 
+#if defined(BATON_AVX2) && defined(__AVX512F__)
+/* baton_exp256's arithmetic on sixteen lanes: each lane's result is the one
+ * baton_exp256 gives. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3365448f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* baton_exp_shifted_sum on sixteen lanes, the tail masked: each exp as
+ * there, the sum in another order. */
+static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
+    const __m512 s = _mm512_set1_ps(shift);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), s));
+        _mm512_mask_storeu_ps(x + i, k, e);
+        acc = _mm512_mask_add_ps(acc, k, acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+#define exp_shifted_sum baton_exp_shifted_sum
+#endif
+
 /* Each head's scores[h][0..n) -> softmax weights, in place; with lse, also
  * lse[h] = log(sum(exp(scores[h]))) (cascade attention merges partial
  * results by it). */
@@ -27,9 +78,11 @@ static inline void softmax_rows(float *scores, int64_t n, int64_t h0, int64_t h1
                                 float *lse) {
     for (int64_t h = h0; h < h1; h++) {
         float *sh = scores + h * n;
+        /* A vector max (the scalar loop waited on each max's latency). */
         float mx = sh[0];
+        #pragma omp simd reduction(max:mx)
         for (int64_t p = 1; p < n; p++) mx = sh[p] > mx ? sh[p] : mx;
-        const float sum = baton_exp_shifted_sum(sh, n, mx);
+        const float sum = exp_shifted_sum(sh, n, mx);
         const float inv = 1.0f / sum;
         if (lse != NULL) lse[h] = mx + logf(sum);
         #pragma omp simd
@@ -127,8 +180,33 @@ static inline void scores_grouped(const float *qt, const void *k_cache, const in
     softmax_rows(scores, n, h0, h1, lse);
 }
 
+/* acc[h][0..16) += w[h][i] * V[i][0..16) for NH <= 3 heads (rows h * D of
+ * acc, h * n of w) over the m slots at v_cache + at + i * row, the
+ * accumulators in registers for the whole block: the same FMAs in the same
+ * order as the loop below, without its load and store of every
+ * accumulator at every position. */
+static inline __attribute__((always_inline)) void pv_block16(
+        const void *v_cache, int64_t at, int64_t row, int64_t m, const float *w, int64_t n,
+        float *acc, int64_t D, const int NH, const int bf16) {
+    __m256 a[3][2];
+    for (int h = 0; h < NH; h++)
+        for (int x = 0; x < 2; x++) a[h][x] = _mm256_loadu_ps(acc + h * D + 8 * x);
+    for (int64_t i = 0; i < m; i++) {
+        const __m256 v0 = load8(v_cache, at + i * row, bf16);
+        const __m256 v1 = load8(v_cache, at + i * row + 8, bf16);
+        for (int h = 0; h < NH; h++) {
+            const __m256 wv = _mm256_set1_ps(w[h * n + i]);
+            a[h][0] = _mm256_fmadd_ps(wv, v0, a[h][0]);
+            a[h][1] = _mm256_fmadd_ps(wv, v1, a[h][1]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int x = 0; x < 2; x++) _mm256_storeu_ps(acc + h * D + 8 * x, a[h][x]);
+}
+
 /* acc[h] += w[h][p] * V[p]: each V vector loaded (widened) once for the
- * G heads of its kv head; the accumulators (H * D floats) stay in L1. */
+ * G heads of its kv head; the accumulators in registers over a block
+ * (pv_block16) where D is a multiple of 16, else in L1. */
 static inline void values_grouped(const void *v_cache, const int64_t *table, int64_t n,
                                   int64_t h0, int64_t h1, int64_t G, int64_t KVH, int64_t D,
                                   int64_t block_size, const float *scores, float *acc,
@@ -136,6 +214,23 @@ static inline void values_grouped(const void *v_cache, const int64_t *table, int
     const int64_t row = KVH * D;
     const int64_t g0 = h0 / G, g1 = h1 / G;
     memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
+    if (D % 16 == 0) {
+        for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+            const int64_t base = table[p0 / block_size] * block_size * row;
+            const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
+            for (int64_t g = g0; g < g1; g++)
+                for (int64_t hs = g * G; hs < (g + 1) * G; hs += 3) {
+                    const int64_t nh = (g + 1) * G - hs < 3 ? (g + 1) * G - hs : 3;
+                    for (int64_t x0 = 0; x0 < D; x0 += 16) {
+#define PV(NH) pv_block16(v_cache, base + g * D + x0, row, m, scores + hs * n + p0, n, \
+                          acc + hs * D + x0, D, NH, bf16)
+                        BATON_NH_SWITCH(nh, PV)
+#undef PV
+                    }
+                }
+        }
+        return;
+    }
     for (int64_t p0 = 0; p0 < n; p0 += block_size) {
         const int64_t base = table[p0 / block_size] * block_size * row;
         const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
@@ -201,9 +296,8 @@ static void attention_task_grouped_bf16(const float *qt, const void *k_cache,
 #if defined(BATON_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
 /* The AVX-512 kinds. Values (attention weights times V) accumulate in
  * registers over a whole block, for as many heads of a kv group as 24 zmm
- * hold, instead of a load-FMA-store of each head's accumulator per position
- * (the AVX2 loop above is bound by those stores): the same FMAs in the same
- * order, so the result is bit-identical to it. Scores, with AVX512_BF16 and a
+ * hold (the AVX2 path holds 16 values of up to three heads): the same FMAs
+ * in the same order as the AVX2 path. Scores, with AVX512_BF16 and a
  * bf16 query and cache, are vdpbf16ps dot products (bf16 products are exact
  * in float32; the sums run in another order than the float32 loop), sixteen
  * positions of a block at a time, their sixteen horizontal sums folded into
@@ -219,7 +313,9 @@ static inline __m512 load16(const void *base, int64_t i, const int bf16) {
 }
 
 /* acc[h][0..16*DV) += w[h][i] * V[i] for the NH heads (rows h * D of acc,
- * h * n of w) and the m slots at v_cache + at + i * row. */
+ * h * n of w) and the m slots at v_cache + at + i * row. With a bf16 cache
+ * each 32 values of acc hold V's even elements, then its odd ones
+ * (deinterleave_pairs puts them back in order). */
 static inline __attribute__((always_inline)) void pv_block(
         const void *v_cache, int64_t at, int64_t row, int64_t m, const float *w, int64_t n,
         float *acc, int64_t D, const int NH, const int DV, const int bf16) {
@@ -230,8 +326,22 @@ static inline __attribute__((always_inline)) void pv_block(
         for (int x = 0; x < DV; x++) a[h * DV + x] = _mm512_loadu_ps(acc + h * D + 16 * x);
     for (int64_t i = 0; i < m; i++) {
         __m512 v[8];
-        #pragma GCC unroll 8
-        for (int x = 0; x < DV; x++) v[x] = load16(v_cache, at + i * row + 16 * x, bf16);
+        if (bf16) {
+            /* 32 bf16 values at once, widened by a shift (the even ones) and
+             * a mask (the odd ones): two instructions per 32 values where a
+             * zero-extension and a shift took four. */
+            const uint16_t *vi = (const uint16_t *)v_cache + at + i * row;
+            #pragma GCC unroll 4
+            for (int x = 0; x < DV / 2; x++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(vi + 32 * x));
+                v[2 * x] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+                v[2 * x + 1] = _mm512_castsi512_ps(
+                    _mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u)));
+            }
+        } else {
+            #pragma GCC unroll 8
+            for (int x = 0; x < DV; x++) v[x] = load16(v_cache, at + i * row + 16 * x, bf16);
+        }
         #pragma GCC unroll 24
         for (int h = 0; h < NH; h++) {
             const __m512 wv = _mm512_set1_ps(w[h * n + i]);
@@ -266,6 +376,18 @@ static inline void pv_dispatch(const void *v_cache, int64_t at, int64_t row, int
 #undef BATON_PV_CASE
 
 static inline int pv_fits(int64_t D) { return D == 32 || D == 64 || D == 128; }
+
+/* Rows of D values (D a multiple of 32) whose every 32 hold 16 even
+ * elements then 16 odd ones -> in order. */
+static inline void deinterleave_pairs(float *x, int64_t rows, int64_t D) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int64_t c = 0; c < rows * D; c += 32) {
+        const __m512 even = _mm512_loadu_ps(x + c), odd = _mm512_loadu_ps(x + c + 16);
+        _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(even, lo, odd));
+        _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
+}
 
 #if defined(__AVX512BF16__)
 /* Lane j of the result: the sum of a[j]'s sixteen lanes. */
@@ -359,6 +481,7 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
                             acc + hs * D, D, (int)nh, bf16);
             }
     }
+    if (bf16) deinterleave_pairs(acc + h0 * D, h1 - h0, D);
 }
 #endif
 
@@ -471,6 +594,97 @@ int baton_paged_decode_attention_f32(
                                            block_size, max_ctx, scale, num_threads);
 }
 
+/* Context chunks of at least this many positions, when few rows split
+ * their contexts across the threads. */
+#define BATON_MIN_CHUNK 128
+#define BATON_MAX_CHUNKS 64
+
+/* How many chunks each row's context is cut into: one with enough rows to
+ * keep every thread busy (or one thread); with fewer, enough chunks for
+ * about eight tasks per thread (a kv head's walk over a chunk each), none
+ * shorter than BATON_MIN_CHUNK positions. */
+static int64_t context_chunks(int64_t T, int64_t KVH, int64_t max_ctx, int num_threads) {
+    if (num_threads < 2 || T >= 2 * (int64_t)num_threads) return 1;
+    const int64_t want = (8 * (int64_t)num_threads + T * KVH - 1) / (T * KVH);
+    int64_t most = max_ctx / BATON_MIN_CHUNK;
+    most = most < BATON_MAX_CHUNKS ? most : BATON_MAX_CHUNKS;
+    return want < most ? want : most;
+}
+
+/* out[t][h] (and lse[t][h]) from the row's chunks' partial results: each
+ * chunk's softmax-weighted values and log-sum-exp, weighted by the share of
+ * the whole softmax its scores hold. */
+static void merge_chunks(const float *part, const float *part_lse, int64_t chunks,
+                         int64_t chunk_len, const int64_t *ctx_lens, int64_t t, int64_t h,
+                         int64_t H, int64_t D, float *out, float *lse) {
+    const int64_t used = (ctx_lens[t] + chunk_len - 1) / chunk_len;
+    const float *l = part_lse + t * chunks * H + h;
+    float mx = l[0];
+    for (int64_t c = 1; c < used; c++) mx = l[c * H] > mx ? l[c * H] : mx;
+    float w[BATON_MAX_CHUNKS], sum = 0.0f;
+    for (int64_t c = 0; c < used; c++) sum += w[c] = expf(l[c * H] - mx);
+    float *o = out + (t * H + h) * D;
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t c = 0; c < used; c++) {
+        const float wc = w[c] / sum;
+        const float *pc = part + ((t * chunks + c) * H + h) * D;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] += wc * pc[d];
+    }
+    if (lse != NULL) lse[t * H + h] = mx + logf(sum);
+}
+
+/* baton_paged_decode_attention_qb's job, each row's context cut into
+ * `chunks` pieces of whole blocks. */
+static int split_context(const float *q, const uint16_t *qb, const void *k_cache,
+                         const void *v_cache, int kv_bf16, const int64_t *block_tables,
+                         const int64_t *ctx_lens, float *out, float *lse, int64_t T, int64_t H,
+                         int64_t KVH, int64_t D, int64_t max_blocks, int64_t block_size,
+                         int64_t max_ctx, float scale, int num_threads, int64_t chunks) {
+    const int64_t chunk_blocks = ((max_ctx + chunks - 1) / chunks + block_size - 1) / block_size;
+    const int64_t chunk_len = chunk_blocks * block_size;
+    chunks = (max_ctx + chunk_len - 1) / chunk_len;
+    const int64_t G = H / KVH;
+    float *part = (float *)malloc(sizeof(float) * T * chunks * H * (D + 1));
+    if (part == NULL) return 2;
+    float *part_lse = part + T * chunks * H * D;
+    int failed = 0;
+
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * H * chunk_len);
+        float *acc = (float *)malloc(sizeof(float) * H * D);
+        if (scores == NULL || acc == NULL) {
+            #pragma omp atomic write
+            failed = 2;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < T * chunks * KVH; task++) {
+            const int64_t t = task / (chunks * KVH), c = task / KVH % chunks;
+            const int64_t h0 = task % KVH * G;
+            const int64_t start = c * chunk_len, n = ctx_lens[t] - start;
+            if (scores == NULL || acc == NULL || n <= 0) continue;
+            /* The chunk as a row of its own: the row's query, the table from
+             * the chunk's first block, its length. */
+            const int64_t len = n < chunk_len ? n : chunk_len;
+            const int64_t rc = t * chunks + c;
+            attention_task(q + t * H * D, qb == NULL ? NULL : qb + t * H * D, k_cache, v_cache,
+                           kv_bf16, block_tables + t * max_blocks + c * chunk_blocks, &len,
+                           part + rc * H * D, 0, h0, h0 + G, H, KVH, D, 0, block_size, scale,
+                           scores, acc, part_lse + rc * H);
+        }
+        #pragma omp for
+        for (int64_t th = 0; th < T * H; th++)
+            if (!failed)
+                merge_chunks(part, part_lse, chunks, chunk_len, ctx_lens, th / H, th % H, H, D,
+                             out, lse);
+        free(scores);
+        free(acc);
+    }
+    free(part);
+    return failed;
+}
+
 int baton_paged_decode_attention_qb(
         const float *q, const uint16_t *qb, const void *k_cache, const void *v_cache,
         int kv_bf16, const int64_t *block_tables, const int64_t *ctx_lens, float *out,
@@ -478,9 +692,16 @@ int baton_paged_decode_attention_qb(
         int64_t block_size, int64_t max_ctx, float scale, int num_threads) {
     if (KVH < 1 || H % KVH != 0) return 1;
     /* One task per query row when there are enough rows; with few rows, one
-     * task per (row, kv head) keeps every thread busy. */
+     * task per (row, kv head), and with few rows and long contexts, per
+     * (row, kv head, chunk of the context) whose partial results are merged
+     * by their log-sum-exps (flash-decoding): every thread busy. */
     const int64_t splits = T >= 2 * (int64_t)num_threads ? 1 : KVH;
     const int64_t per_task = H / splits;
+    int64_t chunks = context_chunks(T, KVH, max_ctx, num_threads);
+    if (chunks > 1)
+        return split_context(q, qb, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out,
+                             lse, T, H, KVH, D, max_blocks, block_size, max_ctx, scale,
+                             num_threads, chunks);
     int failed = 0;
 
     #pragma omp parallel num_threads(num_threads)
