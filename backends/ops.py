@@ -147,7 +147,9 @@ def build_greedy_pick(plan):
     from backends import kernels
     k = kernels.kind_id(plan.kernels)
     row_max = torch.ops.baton.row_max
-    return lambda logits: row_max(logits, k)
+    # contiguous(): a tensor-parallel head's logits are a slice of the
+    # padded vocabulary (a no-op otherwise).
+    return lambda logits: row_max(logits.contiguous(), k)
 
 
 # ----------------------------------------------------------------- native

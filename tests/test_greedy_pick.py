@@ -69,6 +69,22 @@ def test_row_max_ties_nan_and_infinities(row_max, dtype):
     _check(row_max, rows.to(dtype))
 
 
+def test_greedy_pick_of_the_plan_takes_slices_and_no_rows(tiny_llama_dir):
+    """What the backend calls: a slice of a padded vocabulary (a
+    tensor-parallel head's logits) and a step that samples no row."""
+    from backends.ops import build_greedy_pick
+    from backends.sampler import greedy_pick
+    pick = build_greedy_pick(make_engine(tiny_llama_dir).backend.plan)
+    if pick is None:
+        pytest.skip("no native kernels here")
+    padded = torch.randn(4, 130)
+    padded[2, 127:] = 100.0  # the padding's values must not win
+    ids, finite = greedy_pick(padded[:, :127], pick)
+    assert torch.equal(ids, padded[:, :127].argmax(dim=-1)) and bool(finite.all())
+    ids, finite = greedy_pick(torch.empty(0, 127, dtype=torch.bfloat16), pick)
+    assert ids.shape == (0,) and finite.shape == (0,)
+
+
 def test_row_max_checks_its_input(row_max):
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         row_max(torch.zeros(2, 8, dtype=torch.float16))
