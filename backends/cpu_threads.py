@@ -17,38 +17,18 @@ Pure bookkeeping around two clocks: a sample costs tens of microseconds.
 from __future__ import annotations
 
 import logging
-import os
-import resource
 import time
 from dataclasses import dataclass
 
 import torch
+
+from backends.cpu_usage import machine_busy_seconds, own_cpu_seconds
 
 log = logging.getLogger("baton.backend")
 
 # torch's own default (one thread per physical core), taken before any
 # governor changes it.
 DEFAULT_THREADS = torch.get_num_threads()
-
-
-def _system_busy_seconds() -> float | None:
-    """CPU seconds spent busy by all CPUs since boot (None off Linux)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    ticks = [int(v) for v in fields[1:]]
-    # user nice system idle iowait irq softirq steal (guest is inside user)
-    busy = sum(ticks[i] for i in (0, 1, 2, 5, 6, 7) if i < len(ticks))
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 @dataclass(slots=True)
@@ -75,10 +55,10 @@ class ThreadGovernor:
 
     @staticmethod
     def _sample() -> _Sample | None:
-        system = _system_busy_seconds()
+        system = machine_busy_seconds()
         if system is None:
             return None
-        return _Sample(time.monotonic(), system, _own_seconds())
+        return _Sample(time.monotonic(), system, own_cpu_seconds())
 
     def before_step(self) -> int:
         """Re-sample if the interval has passed; returns the thread count in force."""

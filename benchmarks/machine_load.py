@@ -14,26 +14,14 @@ machine, 1.0 when something else kept a core busy throughout. Linux only
 from __future__ import annotations
 
 import os
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_PROC = Path("/proc")
+from backends.cpu_usage import PROC as _PROC
+from backends.cpu_usage import machine_busy_seconds, own_cpu_seconds
 
-
-def machine_busy_seconds(proc: Path = _PROC) -> float | None:
-    """CPU seconds all CPUs spent busy since boot (user, nice, system, irq,
-    softirq, steal; guest time is inside user), None without /proc/stat."""
-    try:
-        fields = (proc / "stat").read_text().splitlines()[0].split()
-    except (OSError, IndexError):
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    ticks = [int(v) for v in fields[1:]]
-    busy = sum(ticks[i] for i in (0, 1, 2, 5, 6, 7) if i < len(ticks))
-    return busy / os.sysconf("SC_CLK_TCK")
+__all__ = ["LoadReport", "LoadWindow", "machine_busy_seconds", "process_group_seconds"]
 
 
 def process_group_seconds(pgid: int, proc: Path = _PROC) -> float:
@@ -54,11 +42,6 @@ def process_group_seconds(pgid: int, proc: Path = _PROC) -> float:
         if int(fields[2]) == pgid:
             total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 @dataclass(slots=True)
@@ -96,7 +79,7 @@ class LoadWindow:
             return None
         server = None if self.server_pgid is None else \
             process_group_seconds(self.server_pgid, self._proc)
-        return time.monotonic(), machine, _own_seconds(), server
+        return time.monotonic(), machine, own_cpu_seconds(), server
 
     def start(self) -> None:
         self._start = self._sample()
