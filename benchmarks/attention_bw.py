@@ -3,7 +3,8 @@
 Times `baton::paged_decode_attention` (each CPU kind this CPU runs, each its
 own build) and the library path it replaces (gather + torch SDPA, what
 backends/attention.py runs without a kernel) on SmolLM2-135M's attention
-shape (9 query heads, 3 kv heads, head_dim 64, blocks of 16) over a
+shape (9 query heads, 3 kv heads, head_dim 64, blocks of --block-sizes
+positions, 16 by default, the server's default) over a
 realistic pool: block tables scattered at random over a pool larger than
 the touched blocks, and enough distinct layer pools in turn that the KV a
 pass reads (>= --footprint-mb) never stays in the caches between calls, as
@@ -12,6 +13,7 @@ one layer's pool.
 
     .venv/bin/python benchmarks/attention_bw.py [--cases 32x200,32x1100,4x500,1x2000]
         [--kv bfloat16,float32] [--kinds portable,avx2,avx512,avx512_bf16,sdpa]
+        [--block-sizes 16,32,64,128]   # each case at each block size, in turn
         [--repo PATH]   # import backends from another checkout (the baseline)
 
 GB/s counts the K and V bytes of each row's first ctx positions once (what
@@ -35,6 +37,8 @@ ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
 ap.add_argument("--cases", default="32x200,32x1100,4x500,1x2000")
 ap.add_argument("--kv", default="bfloat16,float32")
 ap.add_argument("--kinds", default="portable,avx2,avx512,avx512_bf16,sdpa")
+ap.add_argument("--block-sizes", default="16",
+                help="positions per KV block; several (comma-separated) run in turn per case")
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--footprint-mb", type=float, default=256.0,
                 help="KV bytes read per pass over all layer pools")
@@ -47,11 +51,11 @@ from backends import kernels as native  # noqa: E402
 from backends.attention import AttentionMetadata, paged_attention  # noqa: E402
 from backends.execution import CpuFeatures  # noqa: E402
 
-H, KVH, D, BS = 9, 3, 64, 16
+H, KVH, D = 9, 3, 64
 SCALE = D ** -0.5
 
 
-def make_pools(rows: int, ctx: int, kv: torch.dtype, gen: torch.Generator):
+def make_pools(rows: int, ctx: int, kv: torch.dtype, gen: torch.Generator, BS: int):
     """[(k_cache, v_cache, tables)] x layers, lens; each pool 1.5x its blocks."""
     nb = -(-ctx // BS)
     need = rows * nb
@@ -98,33 +102,35 @@ def main() -> None:
         kv = getattr(torch, kv_name)
         for case in args.cases.split(","):
             rows, ctx = (int(x) for x in case.split("x"))
-            pools, lens, touched = make_pools(rows, ctx, kv, gen)
             q32 = torch.randn(rows, H, D, generator=gen)
-            line = [f"kv {kv_name:8s} rows {rows:2d} ctx {ctx:4d} ({len(pools)} pools)"]
-            for kind in kinds:
-                qdt = torch.bfloat16 if kv == torch.bfloat16 and (
-                    kind == "avx512_bf16" or (kind == "sdpa" and cpu.native_bf16)) else kv
-                if qdt == torch.bfloat16 and kv != torch.bfloat16:
-                    qdt = torch.float32
-                q = q32.to(qdt)
-                if kind == "sdpa":
-                    fn = _sdpa(q, lens, ctx)
-                else:
-                    if kind not in cpu.kinds or not native.available(kind)[0]:
-                        line.append(f"{kind}: -")
-                        continue
-                    k_id = native.kind_id(kind)
+            for BS in (int(b) for b in args.block_sizes.split(",")):
+                pools, lens, touched = make_pools(rows, ctx, kv, gen, BS)
+                line = [f"kv {kv_name:8s} rows {rows:2d} ctx {ctx:4d} block {BS:3d} "
+                        f"({len(pools)} pools)"]
+                for kind in kinds:
+                    qdt = torch.bfloat16 if kv == torch.bfloat16 and (
+                        kind == "avx512_bf16" or (kind == "sdpa" and cpu.native_bf16)) else kv
+                    if qdt == torch.bfloat16 and kv != torch.bfloat16:
+                        qdt = torch.float32
+                    q = q32.to(qdt)
+                    if kind == "sdpa":
+                        fn = _sdpa(q, lens, ctx, BS)
+                    else:
+                        if kind not in cpu.kinds or not native.available(kind)[0]:
+                            line.append(f"{kind}: -")
+                            continue
+                        k_id = native.kind_id(kind)
 
-                    def fn(k, v, t, q=q, k_id=k_id):
-                        return torch.ops.baton.paged_decode_attention(
-                            q, k, v, t, lens, ctx, BS, SCALE, k_id)
-                s = timed(fn, pools)
-                line.append(f"{kind} {s * 1e3:.3f} ms {touched / s / 1e9:.1f} GB/s")
-            print("  ".join(line), flush=True)
-            del pools
+                        def fn(k, v, t, q=q, k_id=k_id, BS=BS):
+                            return torch.ops.baton.paged_decode_attention(
+                                q, k, v, t, lens, ctx, BS, SCALE, k_id)
+                    s = timed(fn, pools)
+                    line.append(f"{kind} {s * 1e3:.3f} ms {touched / s / 1e9:.1f} GB/s")
+                print("  ".join(line), flush=True)
+                del pools
 
 
-def _sdpa(q, lens, ctx):
+def _sdpa(q, lens, ctx, BS):
     nb = -(-ctx // BS)  # the mask is made once per step, as the backend does
     mask = (torch.arange(nb * BS)[None] < lens[:, None]).view(-1, 1, 1, nb * BS)
 

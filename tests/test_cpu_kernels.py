@@ -114,6 +114,8 @@ def _reference(q, k_cache, v_cache, tables, lens, bs, scale):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16),    # SmolLM2's shape: grouped queries
+    (9, 3, 64, 64),    # larger blocks: 150 positions in three, the last ragged
+    (9, 3, 64, 128),   # every row but the longest in one block
     (14, 2, 64, 16),   # seven query heads per kv head: more than one register pass
     (8, 8, 32, 4),     # one kv head per query head
     (12, 2, 128, 16),  # wide heads
@@ -124,7 +126,7 @@ def _reference(q, k_cache, v_cache, tables, lens, bs, scale):
 def test_kernel_matches_gather_and_sdpa(kernel, heads, kv_heads, head_dim, block_size,
                                         kv_dtype):
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
-    num_blocks = 1200
+    num_blocks = 19200 // max(block_size, 16)  # 1200 blocks of <= 16, the same slots above
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim,
                           generator=gen).to(kv_dtype)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim,
@@ -248,6 +250,7 @@ def test_bf16_qkv_rope_store_matches_float32_rounded(kind, qk_norm):
     (8, 8, 32, 8),      # narrow heads, smaller blocks
     (6, 2, 48, 16),     # a head_dim the AVX-512 paths leave to the AVX2 one
     (4, 2, 64, 32),     # blocks wider than the bf16 scores take at once
+    (9, 3, 64, 128),    # larger blocks
 ])
 def test_bf16_decode_attention_matches_float32_rounded(kernel, h, kvh, d, bs):
     """A bf16 query (scores as bf16 dot products where the CPU has them)
@@ -294,8 +297,9 @@ def threads(request):
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [16, 128])
 def test_few_rows_split_their_contexts_across_threads(kind, threads, num_threads, kv_dtype,
-                                                      q_dtype):
+                                                      q_dtype, bs):
     """With fewer than two rows per thread and contexts of >= 256 positions,
     each row's context is cut into chunks of whole blocks, each (row, kv
     head, chunk) a task, merged by their log-sum-exps (paged_attention.c,
@@ -303,11 +307,12 @@ def test_few_rows_split_their_contexts_across_threads(kind, threads, num_threads
     chunks). Ragged lengths (one a single block, one not a multiple of the
     block size, chunks past a row's end), a table whose unused entries point
     at blocks full of NaN, and the log-sum-exp output all as without
-    chunks: the reference and the lse operator agree."""
+    chunks: the reference and the lse operator agree. Blocks of 16 and of
+    128 (chunks of whole blocks: fewer, longer ones)."""
     threads(num_threads)
     k = native.kind_id(kind)
     gen = torch.Generator().manual_seed(31)
-    h, kvh, d, bs, num_blocks = 9, 3, 64, 16, 400
+    h, kvh, d, num_blocks = 9, 3, 64, 6400 // bs
     k_cache = torch.randn(num_blocks * bs, kvh, d, generator=gen).to(kv_dtype)
     v_cache = torch.randn(num_blocks * bs, kvh, d, generator=gen).to(kv_dtype)
     k_cache[:bs] = float("nan")   # block 0: what the unused table entries point at
