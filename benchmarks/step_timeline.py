@@ -19,6 +19,10 @@ tokens), runs `benchmarks/serve_load.py` against it as a separate process
 
     .venv/bin/python benchmarks/step_timeline.py --concurrency 32 --num-requests 32 \
         [--json OUT.json] -- --port 8420 [baton serve flags]
+
+``--workload multi-turn`` (or shared-prefix, long-prefill) runs that workload
+of benchmarks/workloads.py instead; the steps with prefill rows are also
+grouped by how many prefill tokens they carried.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+# Steps with prefill rows, grouped by how many prefill tokens they carried.
+PREFILL_BUCKETS = ((1, 128), (129, 256), (257, 512), (513, 1024), (1025, 2048), (2049, 1 << 30))
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -120,6 +128,12 @@ def summarize(steps: list[StepSpan]) -> dict:
         "host_share": (wall - forward) / wall,
         "host_share_excl_sample": (wall - forward - parts["sample"]) / wall,
         "decode_only": group(decode), "full_decode": group(full), "with_prefill": group(mixed),
+        "by_prefill_tokens": {
+            f"{lo}-{hi}": {**group(rows), "step_s": sum((s.end_ns - s.start_ns) / 1e9
+                                                        for s in rows),
+                           "prefill_tokens": sum(s.prefill_tokens for s in rows)}
+            for lo, hi in PREFILL_BUCKETS
+            if (rows := [s for s in mixed if lo <= s.prefill_tokens <= hi])},
     }
 
 
@@ -147,6 +161,12 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=77)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--workload", nargs="+", default=None,
+                    choices=("shared-prefix", "multi-turn", "long-prefill"),
+                    help="run these workloads of benchmarks/workloads.py (serve_load "
+                         "--workload) instead of --concurrency/--num-requests random prompts")
+    ap.add_argument("--requests-per-user", type=int, default=1, help="shared-prefix")
+    ap.add_argument("--users", type=int, default=None, help="the workload's users")
     args = ap.parse_args(own)
     port = serve_flags[serve_flags.index("--port") + 1] if "--port" in serve_flags else "8000"
     url = f"http://127.0.0.1:{port}"
@@ -188,10 +208,17 @@ def main() -> int:
         try:
             _wait_ready(url, 600)
             load = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"),
-                    "--base-url", url, "--concurrency", str(args.concurrency),
-                    "--num-requests", str(args.num_requests), "--seed", str(args.seed),
-                    "--output-len", str(args.output_len), "--prompt-len", str(args.prompt_len),
-                    "--no-warmup", "--json", client_json]
+                    "--base-url", url, "--seed", str(args.seed),
+                    "--output-len", str(args.output_len), "--no-warmup", "--json", client_json]
+            if args.workload:
+                load += ["--workload", *args.workload,
+                         "--requests-per-user", str(args.requests_per_user)]
+                if args.users:
+                    load += ["--users", str(args.users)]
+            else:
+                load += ["--concurrency", str(args.concurrency),
+                         "--num-requests", str(args.num_requests),
+                         "--prompt-len", str(args.prompt_len)]
             cpu0 = _thread_cpu()
             child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             recording.set()
@@ -213,7 +240,9 @@ def main() -> int:
             report["client_table"] = done.stdout.strip()
             report["client_stderr_tail"] = done.stderr[-1500:]
             with contextlib.suppress(OSError, ValueError):
-                report["client"] = json.loads(Path(client_json).read_text())["runs"][0]
+                client = json.loads(Path(client_json).read_text())
+                report["client"] = (client["workloads"] if args.workload
+                                    else client["runs"][0])
         except Exception as exc:  # noqa: BLE001 - reported, then the server stops
             report["error"] = repr(exc)
         finally:
