@@ -14,6 +14,7 @@ one layer's pool.
     .venv/bin/python benchmarks/attention_bw.py [--cases 32x200,32x1100,4x500,1x2000]
         [--kv bfloat16,float32] [--kinds portable,avx2,avx512,avx512_bf16,sdpa]
         [--block-sizes 16,32,64,128]   # each case at each block size, in turn
+        [--pools slot-major,kvh-major]  # the pool's layout (kvh-major: one call per kv head)
         [--repo PATH]   # import backends from another checkout (the baseline)
 
 GB/s counts the K and V bytes of each row's first ctx positions once (what
@@ -44,6 +45,10 @@ ap.add_argument("--footprint-mb", type=float, default=256.0,
                 help="KV bytes read per pass over all layer pools")
 ap.add_argument("--seconds", type=float, default=0.4, help="timed per measurement")
 ap.add_argument("--layout", default="scattered", choices=["scattered", "contiguous"])
+ap.add_argument("--pools", default="slot-major",
+                help="slot-major (the engine's [slots, kv heads, head_dim]), kvh-major "
+                     "(each block's kv heads apart, [blocks, kv heads, block, head_dim]: "
+                     "one kv head's block one contiguous run), or both in turn")
 args = ap.parse_args()
 sys.path.insert(0, args.repo)
 
@@ -55,8 +60,11 @@ H, KVH, D = 9, 3, 64
 SCALE = D ** -0.5
 
 
-def make_pools(rows: int, ctx: int, kv: torch.dtype, gen: torch.Generator, BS: int):
-    """[(k_cache, v_cache, tables)] x layers, lens; each pool 1.5x its blocks."""
+def make_pools(rows: int, ctx: int, kv: torch.dtype, gen: torch.Generator, BS: int,
+               kvh_major: bool = False):
+    """[(k_cache, v_cache, tables)] x layers, lens; each pool 1.5x its blocks.
+    kvh_major: the pool as [blocks * kv heads * BS, 1, D] and tables [kv heads,
+    rows, blocks] (kv head g of block b is block b * KVH + g), the same bytes."""
     nb = -(-ctx // BS)
     need = rows * nb
     touched = 2 * rows * ctx * KVH * D * kv.itemsize
@@ -72,7 +80,11 @@ def make_pools(rows: int, ctx: int, kv: torch.dtype, gen: torch.Generator, BS: i
             order = torch.randperm(pool_blocks, generator=gen)[:need]
         else:
             order = torch.arange(need)
-        pools.append((k, v, order.view(rows, nb).contiguous()))
+        tables = order.view(rows, nb).contiguous()
+        if kvh_major:
+            k, v = k.view(-1, 1, D), v.view(-1, 1, D)
+            tables = torch.stack([tables * KVH + g for g in range(KVH)])
+        pools.append((k, v, tables))
     lens = torch.full((rows,), ctx, dtype=torch.long)
     return pools, lens, touched
 
@@ -103,18 +115,28 @@ def main() -> None:
         for case in args.cases.split(","):
             rows, ctx = (int(x) for x in case.split("x"))
             q32 = torch.randn(rows, H, D, generator=gen)
-            for BS in (int(b) for b in args.block_sizes.split(",")):
-                pools, lens, touched = make_pools(rows, ctx, kv, gen, BS)
+            for BS, layout in ((int(b), p) for b in args.block_sizes.split(",")
+                               for p in args.pools.split(",")):
+                kvh_major = layout == "kvh-major"
+                pools, lens, touched = make_pools(rows, ctx, kv, gen, BS, kvh_major)
                 line = [f"kv {kv_name:8s} rows {rows:2d} ctx {ctx:4d} block {BS:3d} "
-                        f"({len(pools)} pools)"]
+                        f"{layout} ({len(pools)} pools)"]
                 for kind in kinds:
                     qdt = torch.bfloat16 if kv == torch.bfloat16 and (
                         kind == "avx512_bf16" or (kind == "sdpa" and cpu.native_bf16)) else kv
                     if qdt == torch.bfloat16 and kv != torch.bfloat16:
                         qdt = torch.float32
                     q = q32.to(qdt)
+                    if kind == "sdpa" and kvh_major:
+                        continue
                     if kind == "sdpa":
                         fn = _sdpa(q, lens, ctx, BS)
+                    elif kvh_major:
+                        # One call per kv head over its own runs: the kernel's
+                        # inner loops as with KVH heads (G query heads a group).
+                        if kind not in cpu.kinds or not native.available(kind)[0]:
+                            continue
+                        fn = _per_kv_head(q, lens, ctx, BS, native.kind_id(kind))
                     else:
                         if kind not in cpu.kinds or not native.available(kind)[0]:
                             line.append(f"{kind}: -")
@@ -128,6 +150,16 @@ def main() -> None:
                     line.append(f"{kind} {s * 1e3:.3f} ms {touched / s / 1e9:.1f} GB/s")
                 print("  ".join(line), flush=True)
                 del pools
+
+
+def _per_kv_head(q, lens, ctx, BS, k_id):
+    G = H // KVH
+    qs = [q[:, g * G:(g + 1) * G].contiguous() for g in range(KVH)]
+
+    def fn(k, v, tables):
+        return [torch.ops.baton.paged_decode_attention(qs[g], k, v, tables[g], lens, ctx, BS,
+                                                       SCALE, k_id) for g in range(KVH)]
+    return fn
 
 
 def _sdpa(q, lens, ctx, BS):
