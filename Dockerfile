@@ -66,7 +66,7 @@ COPY deploy/docker-entrypoint.sh /usr/local/bin/baton-entrypoint
 RUN useradd --create-home --uid 10001 baton \
  && mkdir -p /models /cache/huggingface && chown baton:baton /cache/huggingface
 USER baton
-ENV MALLOC_ARENA_MAX=2 BATON_HOST=0.0.0.0 BATON_PORT=8000 HF_HOME=/cache/huggingface \
+ENV BATON_HOST=0.0.0.0 BATON_PORT=8000 HF_HOME=/cache/huggingface \
     BATON_CONVERSION_CACHE=/cache/huggingface/baton-converted
 VOLUME ["/cache/huggingface"]
 EXPOSE 8000
@@ -96,7 +96,7 @@ COPY deploy/docker-entrypoint.sh /usr/local/bin/baton-entrypoint
 RUN useradd --create-home --uid 10001 baton \
  && mkdir -p /models /cache/huggingface && chown baton:baton /cache/huggingface
 USER baton
-ENV MALLOC_ARENA_MAX=2 BATON_HOST=0.0.0.0 BATON_PORT=8000 BATON_DEVICE=cuda HF_HOME=/cache/huggingface \
+ENV BATON_HOST=0.0.0.0 BATON_PORT=8000 BATON_DEVICE=cuda HF_HOME=/cache/huggingface \
     BATON_CONVERSION_CACHE=/cache/huggingface/baton-converted
 VOLUME ["/cache/huggingface"]
 EXPOSE 8000

@@ -196,6 +196,8 @@ def main() -> int:
     args = ap.parse_args(argv)
     if args.admission_window is not None:
         async_engine.ADMISSION_WINDOW_S = args.admission_window
+    from backends.host_malloc import tune_malloc
+    tune_malloc()  # as `baton serve` does
     try:  # as `baton serve` runs
         import uvloop
         return uvloop.run(main_async(args, serve_argv))

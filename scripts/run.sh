@@ -7,8 +7,6 @@ cd "$(dirname "$0")/.."
 if [ "$#" -eq 0 ]; then
     set -- serve
 fi
-# glibc gives every thread that mallocs its own arena; under a long mixed load
-# the server's threads grew RSS by a few percent that way (docs/benchmarks.md,
-# "Soak"). Two arenas keep it flat; set MALLOC_ARENA_MAX yourself to override.
-export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-2}"
+# `baton` sets glibc's malloc itself (backends/host_malloc.py); a MALLOC_*
+# variable you export is kept and wins.
 exec .venv/bin/baton "$@"

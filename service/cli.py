@@ -458,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     from telemetry.logs import configure_logging
     log_format = getattr(ns, "log_format", "auto")
     configure_logging(json=None if log_format == "auto" else log_format == "json")
+    # Before torch starts its threads (backends/host_malloc.py).
+    from backends.host_malloc import tune_malloc
+    tune_malloc()
     try:
         _model_from(ns)
         return ns.func(ns)

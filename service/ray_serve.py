@@ -86,7 +86,9 @@ class BatonReplica:
     """A Baton engine and its gateway, served on this replica's loopback."""
 
     def __init__(self, engine_args: EngineArgs, config: ServerConfig) -> None:
+        from backends.host_malloc import tune_malloc
         from service.engine_factory import create_engine
+        tune_malloc()  # a replica is a process of its own
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         # Traces name the replica they come from.

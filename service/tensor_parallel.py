@@ -152,6 +152,8 @@ def run_rank(spec: RankSpec) -> None:
     """A worker process: join, load this rank's shard, follow rank 0."""
     from telemetry.logs import configure_logging
     configure_logging(json=spec.log_json)
+    from backends.host_malloc import tune_malloc
+    tune_malloc()
     _apply_threads(spec)
     _exit_with_parent()
     try:
