@@ -22,6 +22,12 @@ class SchedulerConfig:
     had their share of the step, then whatever budget is left; and only one
     long prompt is prefilled at a time, so shorter requests arriving meanwhile
     are admitted past the waiting long ones.
+
+    ``prefill_only_step_tokens`` (None: off; the server's default is 2048,
+    service/config.py): a step that holds no decodes (nobody's next token
+    waits for it: an idle engine's first step, a burst's) may admit *short*
+    prompts up to this many tokens in all; a long prompt's chunks keep
+    ``max_num_batched_tokens``. At or below the budget: no difference.
     """
 
     max_num_seqs: int = 32
@@ -30,6 +36,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int | None = None
+    prefill_only_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -42,6 +49,9 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.policy!r}")
+        if self.prefill_only_step_tokens is not None and self.prefill_only_step_tokens < 1:
+            raise ValueError("prefill_only_step_tokens must be >= 1, got "
+                             f"{self.prefill_only_step_tokens}")
         if self.long_prefill_token_threshold is not None \
                 and self.long_prefill_token_threshold < 1:
             raise ValueError("long_prefill_token_threshold must be >= 1, got "

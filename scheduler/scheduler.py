@@ -12,6 +12,14 @@ One token budget per step, spent in four passes:
    admitted past waiting long ones;
 4. budget still left extends the chunks the threshold cut.
 
+A step that holds no decodes (pass 1 found none) may admit short prompts
+beyond the budget, up to ``prefill_only_step_tokens`` in all: nobody's next
+token waits for that step, and a burst reaching an idle engine gets its first
+tokens in one bigger step instead of several (each prefill step has a fixed
+cost, and every decode after the first waits for the next one). Long
+prompts never use that bonus, so a request arriving while one prefills
+still waits one normal step at most.
+
 So a long prompt never holds back decodes or new short requests for more
 than the threshold's share of a step, and alone it still gets the whole step.
 
@@ -59,6 +67,7 @@ class _StepPlan:
     budget: int
     tokens: dict[str, int] = field(default_factory=dict)
     num_preempted: int = 0
+    bonus: int = 0  # for short admissions only, spent before the budget
 
 
 class Scheduler:
@@ -140,6 +149,7 @@ class Scheduler:
                 break
             if request.status is RequestStatus.RUNNING and _remaining(request) == 1:
                 self._reserve(plan, request, 1)
+        decodes = bool(plan.tokens)
         for request in order:            # 2. running prefills, capped
             if plan.budget <= 0:
                 break
@@ -149,6 +159,9 @@ class Scheduler:
         # 3. Admitting while preempting would thrash: the blocks just freed
         # are what the running requests need next step.
         if plan.num_preempted == 0:
+            if not decodes:
+                plan.bonus = max(0, (self.config.prefill_only_step_tokens or 0)
+                                 - self.config.max_num_batched_tokens)
             self._admit(plan, threshold)
         self._extend_chunks(plan)        # 4. what is left
 
@@ -179,7 +192,7 @@ class Scheduler:
     def _admit(self, plan: _StepPlan, threshold: int) -> None:
         long_prefilling = any(_remaining(r) > threshold for r in self.running)
         for request in list(self.waiting):
-            if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if plan.budget + plan.bonus <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             # Prompt logprobs need every prompt position computed.
             hit = NO_HIT if request.sampling_params.prompt_logprobs is not None \
@@ -188,7 +201,10 @@ class Scheduler:
             is_long = remaining > threshold
             if is_long and long_prefilling:
                 continue  # one long prefill at a time; shorter ones may pass
-            num_new = min(remaining, threshold, plan.budget)
+            available = plan.budget if is_long else plan.budget + plan.bonus
+            if available <= 0:
+                continue
+            num_new = min(remaining, threshold, available)
             if not self.kv_cache.allocate_slots(request.request_id,
                                                 hit.num_tokens + num_new, hit):
                 return  # out of blocks: nobody passes the head of the line
@@ -199,7 +215,9 @@ class Scheduler:
                 request.num_cached_tokens = hit.num_tokens
             self.running.append(request)
             plan.tokens[request.request_id] = num_new
-            plan.budget -= num_new
+            from_bonus = 0 if is_long else min(num_new, plan.bonus)
+            plan.bonus -= from_bonus
+            plan.budget -= num_new - from_bonus
             long_prefilling |= is_long
 
     def _extend_chunks(self, plan: _StepPlan) -> None:

@@ -160,6 +160,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "this left to compute are long: one at a time, and at most this many tokens per "
           "step until other requests have had theirs (default: a quarter of "
           "--max-num-batched-tokens)", convert=_count)
+    _flag(parser, "--prefill-only-step-tokens", 2048, "a step that holds no decodes (a "
+          "burst reaching an idle server) may admit short prompts up to this many tokens; "
+          "long prompts keep --max-num-batched-tokens (at or below it: off)", convert=_count)
     _flag(parser, "--threads", None, "CPU threads for the model's math (default: adaptive, "
           "one per core that other processes leave free)", convert=_optional_int)
     _flag(parser, "--quantization", "none", "weight-only quantization of the linear "
@@ -210,6 +213,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         threads=ns.threads, enable_prefix_caching=ns.enable_prefix_caching,
         scheduling_policy=ns.scheduling_policy,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
+        prefill_only_step_tokens=ns.prefill_only_step_tokens,
         fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind,
         revision=ns.revision, download_dir=ns.download_dir,
         generation_config=ns.generation_config, parallel=_parallel_config(ns),

@@ -64,6 +64,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"      # fcfs | priority
     long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget
+    prefill_only_step_tokens: int = 2048  # a step without decodes: short prompts up to this
     fast_paths: bool = True              # False: portable torch ops only (backends/execution.py)
     cpu_kind: str = "auto"               # force a lower CPU kind: portable, avx2, avx512, avx512_bf16
     revision: str | None = None          # Hub ids only: branch, tag or commit

@@ -153,7 +153,8 @@ def create_engine(args: EngineArgs) -> EngineCore:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=max_model_len, policy=args.scheduling_policy,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        long_prefill_token_threshold=args.long_prefill_token_threshold),
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
+                        prefill_only_step_tokens=args.prefill_only_step_tokens),
         vocab_size=config.vocab_size, eos_token_ids=tuple(eos),
         model_name=model_name_for(args.model),
         generation=generation)

@@ -186,3 +186,48 @@ def test_duplicate_id_rejected():
     s.add_request(req("a", 3))
     with pytest.raises(ValueError):
         s.add_request(req("a", 3))
+
+
+def make_prefill_only(budget, prefill_only, max_seqs=32, num_blocks=64):
+    return Scheduler(SchedulerConfig(max_seqs, budget, 64,
+                                     prefill_only_step_tokens=prefill_only),
+                     KVCacheManager(num_blocks, 4))
+
+
+def test_a_step_without_decodes_admits_short_prompts_up_to_the_prefill_only_budget():
+    s = make_prefill_only(budget=16, prefill_only=32)  # threshold 4
+    for i in range(12):
+        s.add_request(req(f"r{i}", 4, first=100 * i + 1))
+    out, _ = run_step(s)
+    # An idle engine's first step: 8 whole prompts (32 tokens), not 4.
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == \
+        [(f"r{i}", 4) for i in range(8)]
+    out, _ = run_step(s)
+    # Now 8 decodes: the plain budget, 8 decode tokens and 2 prompts.
+    assert sum(len(r.token_ids) for r in out.requests) == 16
+    assert [r.request_id for r in out.requests if r.start_pos == 0] == ["r8", "r9"]
+    s.check_integrity()
+
+
+def test_without_the_setting_or_below_the_budget_nothing_changes():
+    for prefill_only in (None, 8, 16):
+        s = make_prefill_only(budget=16, prefill_only=prefill_only)
+        for i in range(12):
+            s.add_request(req(f"r{i}", 4, first=100 * i + 1))
+        out, _ = run_step(s)
+        assert [r.request_id for r in out.requests] == [f"r{i}" for i in range(4)]
+
+
+def test_a_long_prompt_never_takes_the_prefill_only_bonus():
+    s = make_prefill_only(budget=16, prefill_only=64)  # threshold 4
+    s.add_request(req("long", 40))
+    out, _ = run_step(s)
+    # Alone on an idle engine it gets the plain budget, as before.
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("long", 16)]
+    s.add_request(req("short", 4, first=500))
+    out, _ = run_step(s)
+    # No decodes yet: the short prompt comes out of the bonus; the long chunk
+    # still gets at most the plain budget (its threshold share, then what
+    # the budget leaves).
+    assert {r.request_id: len(r.token_ids) for r in out.requests} == {"long": 16, "short": 4}
+    s.check_integrity()
