@@ -17,6 +17,7 @@ Pure bookkeeping around two clocks: a sample costs tens of microseconds.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ log = logging.getLogger("baton.backend")
 # torch's own default (one thread per physical core), taken before any
 # governor changes it.
 DEFAULT_THREADS = torch.get_num_threads()
+_CORES = os.cpu_count() or 1
 
 
 @dataclass(slots=True)
@@ -67,7 +69,9 @@ class ThreadGovernor:
             if now is not None:
                 elapsed = now.wall - self._last.wall
                 others = (now.system - self._last.system) - (now.own - self._last.own)
-                self.observe(max(0.0, others / elapsed))
+                # /proc/stat moves in clock ticks, our own time does not: over
+                # a short sample the difference can exceed the machine's cores.
+                self.observe(min(float(_CORES), max(0.0, others / elapsed)))
                 self._last = now
         if self._applied != self.threads:
             if self._applied is not None:  # a change, not the first setting: rare

@@ -41,3 +41,26 @@ def test_governor_samples_this_machine():
         assert 1 <= gov.threads <= 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_short_sample_never_reads_more_cpus_than_the_machine_has(monkeypatch):
+    """/proc/stat counts in clock ticks (10 ms) while the process's own time
+    comes from getrusage: over a few milliseconds the difference can exceed
+    the machine's cores (seen: 2.81 CPUs on two). A sample is bounded by them."""
+    import os
+
+    import backends.cpu_threads as ct
+    clock = {"wall": 100.0, "system": 50.0, "own": 10.0}
+    monkeypatch.setattr(ct.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(ct, "machine_busy_seconds", lambda: clock["system"])
+    monkeypatch.setattr(ct, "own_cpu_seconds", lambda: clock["own"])
+    before = torch.get_num_threads()
+    try:
+        gov = ThreadGovernor(max_threads=2, interval=0.0)
+        # 5 ms of wall time; the machine's counter moved three ticks, ours none
+        clock.update(wall=100.005, system=50.03)
+        gov.before_step()
+        assert 0.0 <= gov.others_busy <= (os.cpu_count() or 1)
+        assert gov.threads == 1               # the sample still reads "busy"
+    finally:
+        torch.set_num_threads(before)
