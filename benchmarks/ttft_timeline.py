@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from scheduler.async_engine import AsyncEngine  # noqa: E402
 from service import observability  # noqa: E402
 from service.cli import parse_serve_argv  # noqa: E402
 from service.serve import serve  # noqa: E402
+from service.tensor_parallel import free_port  # noqa: E402
 
 EPOCH_MINUS_MONOTONIC_NS = time.time_ns() - time.monotonic_ns()
 
@@ -93,12 +93,6 @@ class Recorder:
         AsyncEngine.add_request = add_and_record
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def drive(rec: Recorder, args: argparse.Namespace, port: int) -> int:
     while rec.engine is None:
         await asyncio.sleep(0.2)
@@ -120,7 +114,7 @@ async def drive(rec: Recorder, args: argparse.Namespace, port: int) -> int:
 
 
 async def main_async(args: argparse.Namespace, serve_argv: list[str]) -> int:
-    port = free_port()
+    port = free_port("127.0.0.1")
     engine_args, config = parse_serve_argv([*serve_argv, "--port", str(port),
                                             "--disable-log-requests"])
     rec = Recorder()

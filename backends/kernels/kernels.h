@@ -58,6 +58,19 @@
 #endif
 
 #ifdef BATON_AVX2
+/* The constants of baton_exp256 and baton_exp512 (one arithmetic, two widths). */
+#define BATON_EXP_MIN (-87.3365448f)
+#define BATON_EXP_MAX 88.0f
+#define BATON_EXP_LOG2E 1.44269504f
+#define BATON_EXP_LN2_HI 0.693359375f
+#define BATON_EXP_LN2_LO (-2.12194440e-4f)
+#define BATON_EXP_P0 1.9875691500e-4f
+#define BATON_EXP_P1 1.3981999507e-3f
+#define BATON_EXP_P2 8.3334519073e-3f
+#define BATON_EXP_P3 4.1665795894e-2f
+#define BATON_EXP_P4 1.6666665459e-1f
+#define BATON_EXP_P5 5.0000001201e-1f
+
 /* exp(x) for eight floats, within ~2 ulp over the normal range (range
  * reduction by ln 2, a degree-6 polynomial, the exponent put in by integer
  * arithmetic). Written here rather than left to the compiler: vectorised expf
@@ -67,22 +80,46 @@
  * stays NaN. */
 static inline __m256 baton_exp256(__m256 x) {
     /* min/max return their second operand when one is NaN: x goes second. */
-    x = _mm256_max_ps(_mm256_set1_ps(-87.3365448f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+    x = _mm256_max_ps(_mm256_set1_ps(BATON_EXP_MIN),
+                      _mm256_min_ps(_mm256_set1_ps(BATON_EXP_MAX), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(BATON_EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(BATON_EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(BATON_EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(BATON_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(BATON_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(BATON_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(BATON_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(BATON_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(BATON_EXP_P5));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+
+#ifdef __AVX512F__
+/* baton_exp256's arithmetic on sixteen lanes: each lane's result is the one
+ * baton_exp256 gives. */
+static inline __m512 baton_exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(BATON_EXP_MIN),
+                      _mm512_min_ps(_mm512_set1_ps(BATON_EXP_MAX), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(BATON_EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(BATON_EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(BATON_EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(BATON_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BATON_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BATON_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BATON_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BATON_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BATON_EXP_P5));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
 
 /* The sum of a vector's eight lanes. */
 static inline float baton_hsum256(__m256 v) {

@@ -34,26 +34,6 @@
 #include "kernels.h"
 
 #if defined(BATON_AVX2) && defined(__AVX512F__)
-/* baton_exp256's arithmetic on sixteen lanes: each lane's result is the one
- * baton_exp256 gives. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.3365448f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 /* baton_exp_shifted_sum on sixteen lanes, the tail masked: each exp as
  * there, the sum in another order. */
 static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
@@ -61,7 +41,7 @@ static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), s));
+        const __m512 e = baton_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), s));
         _mm512_mask_storeu_ps(x + i, k, e);
         acc = _mm512_mask_add_ps(acc, k, acc, e);
     }
