@@ -243,6 +243,23 @@ def test_bf16_qkv_rope_store_matches_float32_rounded(kind, qk_norm):
         torch.testing.assert_close(got.float(), want.float(), **BF16_ULP)
 
 
+@pytest.fixture(params=["default", "no-amx"])
+def scores_path(request, kind):
+    """The avx512_bf16 kind's bf16 scores both ways where the CPU has AMX:
+    on AMX tiles (its default) and forced onto VDPBF16PS (what an
+    AVX512_BF16 CPU without AMX runs). Other kinds: their one path."""
+    if request.param == "default":
+        yield "amx" if native.attention_amx(kind) else "vector"
+        return
+    if kind != "avx512_bf16" or not native.attention_amx(kind):
+        pytest.skip(f"the {kind} kernels take no bf16 scores on AMX here: one path only")
+    native.attention_amx(kind, 0)
+    try:
+        yield "vdpbf16ps"
+    finally:
+        native.attention_amx(kind, 1)
+
+
 @pytest.mark.parametrize("h,kvh,d,bs", [
     (9, 3, 64, 16),     # SmolLM2
     (14, 2, 64, 16),    # seven query heads per kv head
@@ -252,9 +269,10 @@ def test_bf16_qkv_rope_store_matches_float32_rounded(kind, qk_norm):
     (4, 2, 64, 32),     # blocks wider than the bf16 scores take at once
     (9, 3, 64, 128),    # larger blocks
 ])
-def test_bf16_decode_attention_matches_float32_rounded(kernel, h, kvh, d, bs):
-    """A bf16 query (scores as bf16 dot products where the CPU has them)
-    against the same values in float32 (scores as float32 FMAs)."""
+def test_bf16_decode_attention_matches_float32_rounded(kernel, scores_path, h, kvh, d, bs):
+    """A bf16 query (scores as bf16 dot products where the CPU has them: on
+    AMX tiles, or VDPBF16PS) against the same values in float32 (scores as
+    float32 FMAs)."""
     gen = torch.Generator().manual_seed(23)
     nb = -(-150 // bs)
     k_cache, v_cache = _bf16(300 * bs, kvh, d, gen=gen), _bf16(300 * bs, kvh, d, gen=gen)
@@ -284,6 +302,54 @@ def test_kernel_ignores_slots_past_each_length(kernel):
     out = kernel(q, k_cache, v_cache, tables, lens, 6, bs, 0.3)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_amx_scores_agree_with_vdpbf16ps(threads):
+    """The avx512_bf16 kind's bf16 scores on AMX tiles against the same
+    kernel forced onto VDPBF16PS: kv groups of 1 to 16 heads (several tile
+    passes where a pass's sixteen heads or sixteen 32-dim pieces run out),
+    head dims 32 to 128, blocks of 16 to 128, ragged lengths whose last
+    sixteen rows run past the length into NaN (the tile reads them; their
+    scores never reach the result), one and two threads (two threads and
+    few rows: context chunks merged by their log-sum-exps)."""
+    kind = _kind_or_skip("avx512_bf16")
+    if not native.attention_amx(kind):
+        pytest.skip("this CPU or OS gives no AMX-BF16 tile data")
+    k = native.kind_id(kind)
+    gen = torch.Generator().manual_seed(41)
+    for h, kvh, d, bs in [(9, 3, 64, 16), (32, 2, 64, 16), (8, 8, 32, 32), (20, 4, 128, 128),
+                          (12, 2, 128, 16)]:
+        num_blocks = 4000 // bs
+        for lens in ([1, 15, 17, 200], [1000], [33, 600]):
+            k_cache = _bf16(num_blocks * bs, kvh, d, gen=gen)
+            v_cache = _bf16(num_blocks * bs, kvh, d, gen=gen)
+            k_cache[:bs] = float("nan")   # block 0: unused table entries
+            v_cache[:bs] = float("nan")
+            lens = torch.tensor(lens)
+            nb = int(-(-lens.max() // bs))
+            tables = torch.zeros(len(lens), nb, dtype=torch.long)
+            perm = 1 + torch.randperm(num_blocks - 1, generator=gen)
+            for i, n in enumerate(lens.tolist()):
+                used = -(-n // bs)
+                tables[i, :used] = perm[i * nb:i * nb + used]
+                last = int(tables[i, used - 1]) * bs
+                k_cache[last + (n - 1) % bs + 1:last + bs] = float("nan")  # past the length
+                v_cache[last + (n - 1) % bs + 1:last + bs] = float("nan")
+            q = _bf16(len(lens), h, d, gen=gen)
+            for num_threads in (1, 2):
+                threads(num_threads)
+                got = {}
+                for mode in (1, 0):
+                    native.attention_amx(kind, mode)
+                    try:
+                        got[mode] = torch.ops.baton.paged_decode_attention_lse(
+                            q, k_cache, v_cache, tables, lens, int(lens.max()), bs,
+                            d ** -0.5, k)
+                    finally:
+                        native.attention_amx(kind, 1)
+                assert torch.isfinite(got[1][0].float()).all()
+                torch.testing.assert_close(got[1][0].float(), got[0][0].float(), **BF16_ULP)
+                torch.testing.assert_close(got[1][1], got[0][1], atol=2e-5, rtol=1e-5)
 
 
 @pytest.fixture

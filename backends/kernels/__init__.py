@@ -354,6 +354,21 @@ def amx_ready(kind: str) -> tuple[bool, str]:
     return True, ""
 
 
+def attention_amx(kind: str, mode: int = -1) -> bool:
+    """Whether ``kind``'s decode attention takes its bf16 scores (bf16 query
+    and cache) on AMX tiles: only the avx512_bf16 build can, where amx_ready
+    says so. mode 1 lets it (the default), 0 keeps them on VDPBF16PS (what
+    an AVX512_BF16 CPU without AMX runs; tests force each path), -1 only
+    asks. Process-wide."""
+    ok, _ = available(kind)
+    if not ok:
+        return False
+    fn = getattr(library(), f"baton_attention_amx_{kind}")
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return bool(fn(int(mode)))
+
+
 class LinearAmx:
     """y = x @ W^T (+ bias) on AMX tiles (``torch.ops.baton.linear_amx``,
     amx_bf16.c) for bfloat16 rows, reading ``GemvBf16.tile(W)``: float32

@@ -36,6 +36,7 @@
 #define baton_gemv_bf16_max_rows BATON_FN(baton_gemv_bf16_max_rows)
 #define baton_kernels_avx2 BATON_FN(baton_kernels_avx2)
 #define baton_amx_bf16_ready BATON_FN(baton_amx_bf16_ready)
+#define baton_attention_amx BATON_FN(baton_attention_amx)
 #define baton_linear_amx_bf16 BATON_FN(baton_linear_amx_bf16)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
 #define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
@@ -322,6 +323,14 @@ int baton_paged_decode_attention_qb(
         int kv_bf16, const int64_t *block_tables, const int64_t *ctx_lens, float *out,
         float *lse, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
         int64_t block_size, int64_t max_ctx, float scale, int num_threads);
+
+/* 1 when this CPU has AMX-BF16 and the process may use tile data (amx_bf16.c). */
+int baton_amx_bf16_ready(void);
+
+/* Whether baton_paged_decode_attention_qb takes its bf16 scores on AMX
+ * tiles (avx512_bf16 kind, AMX ready): mode 1 lets it (the default), 0
+ * keeps VDPBF16PS, -1 only asks. Answers whether AMX is now used. */
+int baton_attention_amx(int mode);
 
 /* ------------------------------------------------------- bf16 gemv */
 /* Weights for the gemv are tiled: rows padded to a multiple of 8, columns to

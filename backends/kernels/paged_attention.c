@@ -33,6 +33,10 @@
 
 #include "kernels.h"
 
+/* 1: scores on AMX tiles where the CPU and kernel allow it (the default);
+ * 0: never. Process-wide; tests force each path on a CPU that has both. */
+static int attention_amx_wanted = 1;
+
 #if defined(BATON_AVX2) && defined(__AVX512F__)
 /* baton_exp_shifted_sum on sixteen lanes, the tail masked: each exp as
  * there, the sum in another order. */
@@ -424,7 +428,91 @@ static inline void qk_block_dispatch(const uint16_t *qh, const uint16_t *k_cache
     default: qk_block_bf16(qh, k_cache, at, row, m, scale, sh, 4); break;
     }
 }
+
+#if defined(BATON_GEMV_DP) && defined(__x86_64__) && defined(__GNUC__) && \
+    (__GNUC__ >= 11 || defined(__clang__))
+/* Scores on AMX tiles (TDPBF16PS), where baton_amx_bf16_ready() and
+ * baton_attention_amx() leave them: sixteen positions of a block (K rows
+ * straight from the pool, 64 bytes of one slot each, the slot row apart) are
+ * the A operand; the query heads of up to sixteen heads' worth of kv groups,
+ * packed once per task as bf16 pairs (zero where a head's kv head is not the
+ * one that piece of the slot holds), are B; C holds the sixteen positions'
+ * scores of every head, no horizontal sums. The products are exact in
+ * float32 and summed in float32 as VDPBF16PS does (another order). */
+#define BATON_ATTN_AMX 1
+#define ATTN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl")))
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} attn_tile_config;
+
+/* Pieces of 32 dims a tile pass takes at most (the packed query: 1 KB each). */
+#define ATTN_AMX_PIECES 16
+
+/* scores[h][0..n) = scale * q_h . K[p] for the heads [h0, h1) (whole kv
+ * groups of G heads, G <= 16), K in bf16 blocks of block_size (a multiple of
+ * 16) positions, D a multiple of 32. */
+ATTN_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_cache,
+                                       const int64_t *table, int64_t n, int64_t h0,
+                                       int64_t h1, int64_t G, int64_t KVH, int64_t D,
+                                       int64_t block_size, float scale, float *scores) {
+    const int64_t row = KVH * D, per_group = D / 32;
+    /* kv groups per tile pass: at most 16 heads and ATTN_AMX_PIECES pieces */
+    int64_t groups = 16 / G;
+    if (groups * per_group > ATTN_AMX_PIECES) groups = ATTN_AMX_PIECES / per_group;
+    uint32_t qp[ATTN_AMX_PIECES][16][16] __attribute__((aligned(64)));
+    float c[16][16] __attribute__((aligned(64)));
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(16));
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t ga = h0 / G; ga < h1 / G; ga += groups) {
+        const int64_t gb = ga + groups < h1 / G ? ga + groups : h1 / G;
+        const int64_t N = (gb - ga) * G, pieces = (gb - ga) * per_group;
+        const int64_t hs = ga * G;
+        /* qp[piece][k][j]: head hs + j's dims (2k, 2k + 1) of the piece's 32,
+         * zero unless the piece lies in that head's kv head */
+        memset(qp, 0, sizeof(uint32_t) * 256 * pieces);
+        for (int64_t j = 0; j < N; j++) {
+            const int64_t g = (hs + j) / G - ga;
+            const uint32_t *qh = (const uint32_t *)(qb + (hs + j) * D);
+            for (int64_t x = 0; x < per_group; x++)
+                for (int k = 0; k < 16; k++) qp[g * per_group + x][k][j] = qh[16 * x + k];
+        }
+        attn_tile_config cfg;
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette = 1;
+        cfg.rows[0] = 16; cfg.colsb[0] = (uint16_t)(4 * N);   /* C: positions x heads */
+        cfg.rows[1] = 16; cfg.colsb[1] = 64;                 /* A: positions x 32 dims */
+        cfg.rows[2] = 16; cfg.colsb[2] = (uint16_t)(4 * N);   /* B: dim pairs x heads */
+        _tile_loadconfig(&cfg);
+        for (int64_t p0 = 0; p0 < n; p0 += 16) {
+            const int64_t slot = table[p0 / block_size] * block_size + p0 % block_size;
+            const uint16_t *k0 = k_cache + slot * row + ga * D;
+            const int64_t m = n - p0 < 16 ? n - p0 : 16;
+            _tile_zero(0);
+            for (int64_t x = 0; x < pieces; x++) {
+                _tile_loadd(1, k0 + 32 * x, row * 2);
+                _tile_loadd(2, qp[x], 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, c, 64);
+            const __mmask16 keep = (__mmask16)((1u << m) - 1u);
+            for (int64_t j = 0; j < N; j++) {
+                const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, column,
+                                                          &c[0][j], 4);
+                _mm512_mask_storeu_ps(scores + (hs + j) * n + p0, keep, _mm512_mul_ps(v, sv));
+            }
+        }
+        _tile_release();
+    }
+}
 #endif
+#endif
+
 
 /* attention_task_grouped's job on AVX-512; qb: the query in bf16 (exact)
  * for the vdpbf16ps scores, else NULL (scores as the AVX2 loop takes them). */
@@ -436,6 +524,14 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
     const int64_t row = KVH * D;
     (void)qb;
 #if defined(__AVX512BF16__)
+#ifdef BATON_ATTN_AMX
+    if (qb != NULL && bf16 && block_size % 16 == 0 && G <= 16 &&
+        __atomic_load_n(&attention_amx_wanted, __ATOMIC_RELAXED) && baton_amx_bf16_ready()) {
+        scores_amx(qb, (const uint16_t *)k_cache, table, n, h0, h1, G, KVH, D, block_size,
+                   scale, scores);
+        softmax_rows(scores, n, h0, h1, lse);
+    } else
+#endif
     if (qb != NULL && bf16 && (D == 32 || D == 64 || D == 128) && block_size <= 16) {
         for (int64_t p0 = 0; p0 < n; p0 += block_size) {
             const int64_t base = table[p0 / block_size] * block_size * row;
@@ -704,4 +800,17 @@ int baton_paged_decode_attention_qb(
         free(acc);
     }
     return failed;
+}
+
+/* baton_attention_amx: mode 0 or 1 sets attention_amx_wanted (-1 leaves
+ * it); answers whether scores now run on AMX tiles. */
+int baton_attention_amx(int mode) {
+#ifdef BATON_ATTN_AMX
+    if (mode >= 0) __atomic_store_n(&attention_amx_wanted, mode ? 1 : 0, __ATOMIC_RELEASE);
+    return __atomic_load_n(&attention_amx_wanted, __ATOMIC_ACQUIRE) && baton_amx_bf16_ready();
+#else
+    (void)mode;
+    (void)attention_amx_wanted;
+    return 0;
+#endif
 }
