@@ -184,6 +184,23 @@ def test_silu_mul_matches_torch_over_the_whole_range(kind):
     torch.testing.assert_close(out[0], ref, atol=1e-6, rtol=2e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("wide", ["avx512", "avx512_bf16"])
+def test_silu_mul_sixteen_lanes_give_the_eight_lane_results(wide):
+    """The AVX-512 builds run silu in sixteen lanes: every element equals
+    the AVX2 build's (eight lanes, same exp), in float32 and in bf16, over a
+    width with a sixteen-lane body, an eight-lane step and a scalar tail."""
+    _kind_or_skip("avx2")
+    _kind_or_skip(wide)
+    gen = torch.Generator().manual_seed(3)
+    width = 1536 + 8 + 3
+    gate_up = torch.randn(5, 2 * width, generator=gen) * 6
+    gate_up[0, :width] = torch.linspace(-100, 100, width)
+    for x in (gate_up, gate_up.to(torch.bfloat16)):
+        ref = torch.ops.baton.silu_mul(x, native.kind_id("avx2"))
+        out = torch.ops.baton.silu_mul(x, native.kind_id(wide))
+        assert torch.equal(out, ref)
+
+
 # ------------------------------------------------------ bfloat16 activations
 # Each bf16 operator widens its inputs, computes in float32 and rounds once
 # on store (RMSNorm twice: the normed row, then its product with the weight,
