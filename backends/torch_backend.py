@@ -70,6 +70,17 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 
+def _out_rows(logits_index: torch.Tensor, num_tokens: int,
+              spans: list) -> torch.Tensor | None:
+    """The rows the model's last layer carries past its attention: the
+    sampled ones, when they are fewer than the step's tokens (a prefill chunk
+    samples its last row only) and no prompt logprobs read the others; else
+    None (every row). Rank 0 and the other tensor-parallel ranks decide alike
+    from what they share (the rows and the spans)."""
+    n = logits_index.shape[0]
+    return logits_index if 0 < n < num_tokens and not spans else None
+
+
 class TorchBackend:
     """Runs a model as its ExecutionPlan says (backends/execution.py): the
     plan fixes the numerics (activation, weight and KV dtypes) and which
@@ -355,11 +366,15 @@ class TorchBackend:
                 and meta.num_decode == input_ids.shape[0] <= whole.max_rows):
             hidden = whole(self.model.embed(input_ids), positions, meta.slot_mapping,
                            meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
+            out_rows = None
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
         plain = (self._greedy_pick is not None and not constrained and not waiting
                  and plain_greedy(batch))
-        logits = self.model.compute_logits(hidden[logits_index], float32=not plain)
+        # With out_rows the model returned the sampled rows alone, in order.
+        logits = self.model.compute_logits(
+            hidden if out_rows is not None else hidden[logits_index], float32=not plain)
         prompt_logprobs = self._prompt_logprobs(spans, hidden)
         t2 = time.perf_counter()
         timings.forward = t2 - t1
@@ -503,8 +518,9 @@ class TorchBackend:
         0's ``execute`` (the forward pass, the logits of the sampled rows,
         then of each prompt-logprob span), on what rank 0 broadcast."""
         input_ids, positions, meta, _, logits_index = self._prepare(rows)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[logits_index])
+        out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
+        self.model.compute_logits(hidden if out_rows is not None else hidden[logits_index])
         for lo, hi in spans:
             self.model.compute_logits(hidden[lo:hi])
 

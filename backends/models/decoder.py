@@ -75,18 +75,25 @@ class DecoderLayer(nn.Module):
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None,
                 positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual`` is the residual stream (updated in place: the
-        previous layer's output ``delta`` is added first). Returns this
-        layer's output, to be added to the stream by the next norm.
-        ``cos_table`` / ``sin_table`` are this layer's rotary tables."""
+        previous layer's output ``delta`` is added first). Returns the
+        stream and this layer's output, to be added to it by the next norm.
+        ``cos_table`` / ``sin_table`` are this layer's rotary tables. With
+        ``out_rows`` (the last layer: the rows whose hidden state is read)
+        every row's K/V is still stored, but only those rows go on past the
+        attention: the stream returned is theirs, a copy."""
         ops, eps = self.ops, self.config.rms_norm_eps
         x = ops.add_rms_norm(residual, delta, self.input_norm, eps)
         q = ops.qkv_rope_store(self.qkv_proj(x), self.shape, positions, cos_table, sin_table,
                                self.q_norm, self.k_norm, eps, meta.slot_mapping,
                                k_cache, v_cache)
-        attn = self.o_proj(self.attend(q, k_cache, v_cache, meta, self.scale))
+        attended = self.attend(q, k_cache, v_cache, meta, self.scale)
+        if out_rows is not None:
+            attended = attended.index_select(0, out_rows)
+            residual = residual.index_select(0, out_rows)
+        attn = self.o_proj(attended)
         if self.config.sandwich_norms:
             attn = ops.add_rms_norm(attn, None, self.attn_output_norm, eps)
         x = ops.add_rms_norm(residual, attn, self.post_attention_norm, eps)
@@ -98,7 +105,7 @@ class DecoderLayer(nn.Module):
                 out = self.moe_reduce(out)
         if self.config.sandwich_norms:
             out = ops.add_rms_norm(out, None, self.mlp_output_norm, eps)
-        return out
+        return residual, out
 
 
 class DecoderLM(nn.Module):
@@ -149,16 +156,22 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, [num_tokens, hidden]."""
+                meta: AttentionMetadata,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]; with
+        ``out_rows`` (int64 row indices), those rows' only, in that order:
+        the last layer's projections and MLP skip the rows nobody reads (a
+        prefill chunk samples its last row alone), as llama.cpp does."""
         residual = self.embed(input_ids)
         delta = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        last = len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             if layer.local_rope:
                 cos, sin = self.local_cos_table, self.local_sin_table
             else:
                 cos, sin = self.cos_table, self.sin_table
-            delta = layer(residual, delta, positions, cos, sin, k_cache, v_cache, meta)
+            residual, delta = layer(residual, delta, positions, cos, sin, k_cache, v_cache,
+                                    meta, out_rows if i == last else None)
         return self.ops.add_rms_norm(residual, delta, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
