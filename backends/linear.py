@@ -115,7 +115,7 @@ class Bf16WeightLinear(nn.Module):
         self.amx = amx if weight.dtype == torch.bfloat16 else None
         act = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
         w16 = weight.detach().to(torch.bfloat16)
-        # The gemv kernel's tiled layout (rows padded to 8, columns to 16).
+        # The gemv kernel's tiled layout (rows padded to 16, columns to 32).
         self.register_buffer("weight_tiled", gemv.tile(w16), persistent=False)
         self.register_buffer("packed_weight", _reorder(w16.to(act)), persistent=False)
         b = None if bias is None else bias.detach().to(torch.bfloat16).to(act).contiguous()

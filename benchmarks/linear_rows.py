@@ -8,7 +8,7 @@ Default shapes: SmolLM2-135M (30 layers of qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536, and the 49152x576 output projection: 270 MB of
 bf16). Prints milliseconds per step (min and median over --reps).
 
-    .venv/bin/python benchmarks/linear_rows.py --rows 4 8 16 32 64 [--threads 2]
+    .venv/bin/python benchmarks/linear_rows.py --rows 4 8 16 32 64 [--threads 2] [--kind avx2]
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--kind", default=None, choices=native.KINDS,
+                    help="this CPU kind's kernels instead of the best one here (e.g. avx2: "
+                         "the gemv an AVX2-only CPU runs; the tile linear is avx512_bf16's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     h = args.hidden
@@ -50,12 +53,12 @@ def main() -> None:
     tiled = [[native.GemvBf16.tile(w) for w in layer] for layer in raw]
     total = sum(w.numel() * 2 for layer in raw for w in layer)
     cpu = CpuFeatures.detect()
-    kind = cpu.kind
+    kind = args.kind or cpu.kind
     ok, why = native.available(kind)
     gemv = native.GemvBf16(kind) if ok else None
     amx_ok, amx_why = native.amx_ready(kind) if ok else (False, why)
     amx = native.LinearAmx(kind, 1 << 30) if amx_ok else None
-    print(f"CPU {cpu.describe()}, {args.threads} threads, {total / 1e6:.0f} MB of bf16 weights "
+    print(f"CPU {cpu.describe()}, {kind} kernels, {args.threads} threads, {total / 1e6:.0f} MB of bf16 weights "
           f"per step; amx tile linear: {'yes' if amx else amx_why}")
 
     def timed(fn) -> str:

@@ -67,6 +67,39 @@ def test_amx_linear_rounds_once_like_onednn(rows, out_features, in_features):
                                atol=1e-6, rtol=2 ** -7)
 
 
+def test_tile_layout_is_what_the_kernels_read():
+    """The layout kernels.h documents: blocks of 16 features x 32 columns,
+    each [16 column pairs][16 features][2], zero padding past N and K."""
+    w = torch.arange(37 * 77, dtype=torch.float32).view(37, 77).to(torch.bfloat16)
+    t = native.GemvBf16.tile(w)
+    assert t.shape == (3, 3, 16, 32) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    blocks = t.view(3, 3, 16, 16, 2)  # [N/16][K/32][pair][feature][2]
+    for n, k in [(0, 0), (0, 1), (5, 2), (15, 31), (16, 32), (36, 76), (20, 45)]:
+        assert blocks[n // 16, k // 32, (k % 32) // 2, n % 16, k % 2] == w[n, k]
+    assert not blocks[2, :, :, 5:].any()  # features 37..47
+    assert not blocks[:, 2, 7:].any() and not blocks[:, 2, 6, :, 1].any()  # columns 77..95
+
+
+@pytest.mark.parametrize("out_features,in_features", [(40, 33), (17, 96), (64, 1537)])
+def test_amx_linear_row_does_not_depend_on_the_batch(out_features, in_features):
+    """A row's result is bit-for-bit the same whatever rows share its batch
+    (1..64 of them): the prefix cache relies on it (a prompt's suffix may be
+    computed beside other rows, or alone). Odd K, features not a multiple of
+    16, bias and none; every value within a bf16 step of the reference."""
+    amx = _amx_or_skip()
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x16 = torch.randn(64, in_features, generator=gen).to(torch.bfloat16)
+    b16 = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    tiled = native.GemvBf16.tile(w16)
+    for bias in (b16, None):
+        full = amx(x16, tiled, out_features, bias)
+        _close_to_rounded_reference(full, x16, w16, bias)
+        for m in range(1, 65):
+            part = amx(x16[64 - m:], tiled, out_features, bias)
+            assert torch.equal(part, full[64 - m:]), m
+
+
 def test_amx_linear_checks_its_inputs():
     amx = _amx_or_skip()
     w = native.GemvBf16.tile(torch.randn(40, 32).to(torch.bfloat16))

@@ -260,10 +260,11 @@ class GemvBf16:
     accumulated in float32 (``torch.ops.baton.gemv_bf16``). x float32: y
     float32; x bfloat16: y rounded to bfloat16 (the avx512_bf16 build
     multiplies with VDPBF16PS). W is passed as ``tile(W)``: the layout the
-    kernel streams (rows padded to 8, columns to 16, tile by tile)."""
+    kernel streams (kernels.h), which the whole-step decode and the AMX tile
+    linear read too."""
 
-    TILE_ROWS = 8
-    TILE_COLS = 16
+    TILE_ROWS = 16
+    TILE_COLS = 32
     max_rows = 4  # BATON_GEMV_MAX_ROWS
 
     def __init__(self, kind: str) -> None:
@@ -271,7 +272,10 @@ class GemvBf16:
 
     @classmethod
     def tile(cls, w: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> bfloat16 [N/8, K/16, 8, 16] (padded with zeros)."""
+        """[N, K] -> bfloat16 [N/16, K/32, 16, 32] (padded with zeros): blocks
+        of 16 features by 32 columns, each block [16 column pairs][16
+        features][2 values] (a feature's two values of a pair side by side, the
+        16 features' pairs in one 64-byte line: AMX's B operand as stored)."""
         n, k = w.shape
         r, c = cls.TILE_ROWS, cls.TILE_COLS
         w = w.detach().to(torch.bfloat16)
@@ -281,11 +285,11 @@ class GemvBf16:
             w = padded
         w = w.contiguous()
         rows, cols = w.shape
-        # Moved as 64-bit words (four bf16 values each): the strided copy
-        # then has a quarter of the elements, ~1.5x faster at load.
-        words = w.view(torch.int64).view(rows // r, r, cols // c, c // 4)
-        return words.permute(0, 2, 1, 3).contiguous().view(torch.bfloat16).view(
-            rows // r, cols // c, r, c)
+        # Moved as 32-bit words (a column pair each): [N/16, 16 f, K/32, 16 p]
+        # -> [N/16, K/32, 16 p, 16 f].
+        words = w.view(torch.int32).view(rows // r, r, cols // c, c // 2)
+        return words.permute(0, 2, 3, 1).contiguous().view(torch.bfloat16).view(
+            rows // r, cols // c, c // 2, 2 * r)
 
     def __call__(self, x: torch.Tensor, w_tiled: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -92,7 +92,7 @@ static inline void norm_row(const baton_model *m, float *x, const float *delta, 
     baton_round_bf16_row(out, n);
 }
 
-/* Row t of a gemv's input: permuted float32 (xp), or, for bf16 activations
+/* Row t of a gemv's input: zero-padded float32 (xp), or, for bf16 activations
  * in a VDPBF16PS build, the row's bf16 values (xb, exact: the row holds bf16
  * values), zero-padded. */
 static inline void gemv_input(const baton_model *m, const float *x, float *xp, uint16_t *xb,
@@ -112,7 +112,7 @@ static inline void gemv_input(const baton_model *m, const float *x, float *xp, u
 #endif
     (void)m;
     (void)xb;
-    baton_gemv_permute(x, xp, K);
+    baton_gemv_pad(x, xp, K);
 }
 
 /* y [M, N] = rows @ W^T (+ bias), from gemv_input's rows; worksharing. */

@@ -4,11 +4,12 @@
  * stay in bfloat16 (half the bytes of float32) and are widened to float32 in
  * registers; products accumulate in float32.
  *
- * W is stored tiled (kernels.h): eight rows at a time, sixteen columns at a
- * time, so a thread's share of W is one contiguous stream and every 32-byte
- * load feeds eight products per row. Measured on a 2-core AVX2 machine, the
- * tiled stream reaches ~25 GB/s against ~17 GB/s for four separate row
- * streams (a plain read reaches ~28 GB/s there).
+ * W is stored in blocks of 16 features by 32 columns (kernels.h), so a
+ * thread's share of W is one contiguous stream, and each 32-bit word holds
+ * one feature's values at two adjacent columns: a 256-bit load is eight
+ * features at one column pair, widened to float32 (even and odd column) by
+ * one shift and one mask, multiplied by the row's two values broadcast.
+ * Every feature's sum stays in its own lane (no horizontal reduction).
  *
  *   x [M, K] float32, W tiled bfloat16 bits, bias [N] float32 or NULL,
  *   y [M, N] float32; 1 <= M <= BATON_GEMV_MAX_ROWS.
@@ -16,9 +17,10 @@
  * With bfloat16 activations (CPUs with native bf16 run the model in bf16)
  * x holds bf16 values and y is rounded to bf16, as oneDNN's bf16 linear
  * rounds its output. Builds for AVX512_BF16 then multiply the bf16 pairs
- * with VDPBF16PS straight from the tile (each product of two bf16 values is
- * exact in float32, so this is the float32 kernel's arithmetic in another
- * summation order); other builds widen x to float32 and run the float32 tiles.
+ * with VDPBF16PS straight from the block (a 512-bit load: sixteen features
+ * at one column pair; each product of two bf16 values is exact in float32,
+ * so this is the float32 kernel's arithmetic in another summation order);
+ * other builds widen x to float32 and run the float32 blocks.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -40,15 +42,15 @@ int baton_kernels_avx2(void) {
 #endif
 }
 
-/* One tile's eight output features for M rows (out[r * M + m]) plus the
- * bias, stored into y[m * N + n], rounded to bf16 when asked. */
-static inline void store_tile(const float *out, const float *bias, float *y, int64_t g,
-                              int64_t M, int64_t N, int round_bf16) {
-    for (int64_t r = 0; r < 8 && g * 8 + r < N; r++) {
-        const int64_t n = g * 8 + r;
+/* One block row's sixteen output features for M rows (out[m * 16 + f]) plus
+ * the bias, stored into y[m * N + n], rounded to bf16 when asked. */
+static inline void store_features(const float *out, const float *bias, float *y, int64_t g,
+                                  int64_t M, int64_t N, int round_bf16) {
+    for (int64_t f = 0; f < 16 && g * 16 + f < N; f++) {
+        const int64_t n = g * 16 + f;
         const float b = bias ? bias[n] : 0.0f;
         for (int64_t m = 0; m < M; m++) {
-            const float v = out[r * M + m] + b;
+            const float v = out[m * 16 + f] + b;
             y[m * N + n] = round_bf16 ? baton_round_bf16(v) : v;
         }
     }
@@ -63,111 +65,102 @@ static inline __m256 bf16_odd(__m256i v) {
     return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
-/* One input row against one tile: 16 independent FMA chains. */
-static inline void tile_one_row(const float *xp, const uint16_t *tile, int64_t kb,
-                                float *out) {
-    __m256 a[8], b[8];
-    for (int r = 0; r < 8; r++) a[r] = b[r] = _mm256_setzero_ps();
+/* R (1 or 2) input rows against one block row (16 features, all of K): per
+ * row four FMA chains (two halves of the features, even and odd columns),
+ * eight for two rows, next to the four widened weight vectors and the two
+ * broadcasts: what fits in sixteen registers. out[m * 16 + f]. */
+static inline __attribute__((always_inline)) void block_rows(
+        const float *xp, int64_t kp, const uint16_t *row, int64_t kb, const int R, float *out) {
+    __m256 acc[2][4];
+    for (int m = 0; m < R; m++)
+        for (int i = 0; i < 4; i++) acc[m][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < kb; j++) {
-        const __m256 xe = _mm256_loadu_ps(xp + 16 * j), xo = _mm256_loadu_ps(xp + 16 * j + 8);
-        const uint16_t *blk = tile + j * 128;
-        for (int r = 0; r < 8; r++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 * r));
-            a[r] = _mm256_fmadd_ps(bf16_even(v), xe, a[r]);
-            b[r] = _mm256_fmadd_ps(bf16_odd(v), xo, b[r]);
-        }
-    }
-    for (int r = 0; r < 8; r++) out[r] = baton_hsum256(_mm256_add_ps(a[r], b[r]));
-}
-
-/* Two input rows against one tile: 16 accumulators, the most that stay in
- * registers next to the weights. */
-static inline void tile_two_rows(const float *xp, int64_t kp, const uint16_t *tile,
-                                 int64_t kb, float *out) {
-    __m256 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < kb; j++) {
-        const uint16_t *blk = tile + j * 128;
-        for (int r = 0; r < 8; r++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 * r));
-            const __m256 e = bf16_even(v), o = bf16_odd(v);
-            for (int m = 0; m < 2; m++) {
-                const float *xm = xp + m * kp + 16 * j;
-                acc[r * 2 + m] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xm), acc[r * 2 + m]);
-                acc[r * 2 + m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xm + 8), acc[r * 2 + m]);
+        const uint16_t *blk = row + j * BATON_GEMV_BLOCK;
+        for (int p = 0; p < 16; p++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 32 * p));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + 32 * p + 16));
+            const __m256 e0 = bf16_even(v0), o0 = bf16_odd(v0);
+            const __m256 e1 = bf16_even(v1), o1 = bf16_odd(v1);
+            for (int m = 0; m < R; m++) {
+                const float *xm = xp + m * kp + 32 * j + 2 * p;
+                const __m256 xe = _mm256_broadcast_ss(xm), xo = _mm256_broadcast_ss(xm + 1);
+                acc[m][0] = _mm256_fmadd_ps(e0, xe, acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(o0, xo, acc[m][1]);
+                acc[m][2] = _mm256_fmadd_ps(e1, xe, acc[m][2]);
+                acc[m][3] = _mm256_fmadd_ps(o1, xo, acc[m][3]);
             }
         }
     }
-    for (int i = 0; i < 16; i++) out[i] = baton_hsum256(acc[i]);
+    for (int m = 0; m < R; m++) {
+        _mm256_storeu_ps(out + m * 16, _mm256_add_ps(acc[m][0], acc[m][1]));
+        _mm256_storeu_ps(out + m * 16 + 8, _mm256_add_ps(acc[m][2], acc[m][3]));
+    }
 }
 #endif
 
 #ifdef BATON_GEMV_DP
-/* M bf16 input rows (natural order, zero-padded to kp) against one tile with
- * VDPBF16PS: a 512-bit load holds two tile rows of 16 columns, and each
- * 32-bit lane multiplies one column pair of one row by the same pair of x
- * (x's 16 columns broadcast to both halves). Four accumulators per input
- * row cover the tile's eight rows; at most 16 for four rows, with the
- * weights and x in registers beside them. out[r * M + m]. */
-static inline __attribute__((always_inline)) void tile_dp(
-        const uint16_t *xb, int64_t kp, const uint16_t *tile, int64_t kb, const int M,
+/* M bf16 input rows (zero-padded to kp) against one block row with
+ * VDPBF16PS: a 512-bit load holds sixteen features at one column pair, the
+ * row's pair is broadcast to every lane. Two chains per row (even and odd
+ * pairs), at most eight for four rows, beside the block's sixteen loads.
+ * out[m * 16 + f]. */
+static inline __attribute__((always_inline)) void block_dp(
+        const uint16_t *xb, int64_t kp, const uint16_t *row, int64_t kb, const int M,
         float *out) {
-    __m512 acc[BATON_GEMV_MAX_ROWS][4];
-    for (int m = 0; m < M; m++)
-        for (int p = 0; p < 4; p++) acc[m][p] = _mm512_setzero_ps();
+    __m512 acc[BATON_GEMV_MAX_ROWS][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < kb; j++) {
-        const uint16_t *blk = tile + j * 128;
-        __m512i w[4];
-        for (int p = 0; p < 4; p++) w[p] = _mm512_loadu_si512((const void *)(blk + 32 * p));
-        for (int m = 0; m < M; m++) {
-            const __m512i xv = _mm512_broadcast_i32x8(
-                _mm256_loadu_si256((const __m256i *)(xb + m * kp + 16 * j)));
-            for (int p = 0; p < 4; p++)
-                acc[m][p] = _mm512_dpbf16_ps(acc[m][p], (__m512bh)w[p], (__m512bh)xv);
+        const uint16_t *blk = row + j * BATON_GEMV_BLOCK;
+        for (int p = 0; p < 16; p++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(blk + 32 * p));
+            for (int m = 0; m < M; m++) {
+                uint32_t pair;
+                memcpy(&pair, xb + m * kp + 32 * j + 2 * p, sizeof(pair));
+                acc[m][p & 1] = _mm512_dpbf16_ps(acc[m][p & 1], (__m512bh)w,
+                                                 (__m512bh)_mm512_set1_epi32((int)pair));
+            }
         }
     }
-    for (int m = 0; m < M; m++)
-        for (int p = 0; p < 4; p++) {
-            out[(2 * p) * M + m] = baton_hsum256(_mm512_castps512_ps256(acc[m][p]));
-            out[(2 * p + 1) * M + m] = baton_hsum256(_mm512_extractf32x8_ps(acc[m][p], 1));
-        }
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * 16, _mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
 void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
                             int64_t M, int64_t N, int64_t K) {
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     const int64_t kb = kp / BATON_GEMV_TILE_COLS;
-    const int64_t tiles = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
+    const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
     #pragma omp for schedule(static)
-    for (int64_t g = 0; g < tiles; g++) {
-        const uint16_t *tile = w + g * 8 * kp;
-        float out[8 * BATON_GEMV_MAX_ROWS];
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *row = w + g * BATON_GEMV_TILE_ROWS * kp;
+        float out[16 * BATON_GEMV_MAX_ROWS];
         switch (M) {  /* constant M: the accumulators stay in registers */
-        case 1: tile_dp(xb, kp, tile, kb, 1, out); break;
-        case 2: tile_dp(xb, kp, tile, kb, 2, out); break;
-        case 3: tile_dp(xb, kp, tile, kb, 3, out); break;
-        default: tile_dp(xb, kp, tile, kb, 4, out); break;
+        case 1: block_dp(xb, kp, row, kb, 1, out); break;
+        case 2: block_dp(xb, kp, row, kb, 2, out); break;
+        case 3: block_dp(xb, kp, row, kb, 3, out); break;
+        default: block_dp(xb, kp, row, kb, 4, out); break;
         }
-        store_tile(out, bias, y, g, M, N, 1);
+        store_features(out, bias, y, g, M, N, 1);
     }
 }
 #endif
 
 #ifndef BATON_GEMV_AVX2
-/* Portable fallback (compilers without AVX2/FMA for this CPU). */
-static void tile_generic(const float *xp, int64_t kp, const uint16_t *tile, int64_t kb,
-                         int64_t M, float *out) {
-    for (int64_t i = 0; i < 8 * M; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < kb; j++)
-        for (int64_t r = 0; r < 8; r++) {
-            const uint16_t *v = tile + j * 128 + r * 16;
-            for (int64_t m = 0; m < M; m++) {
-                const float *xm = xp + m * kp + 16 * j;
-                float s = 0.0f;
-                for (int64_t i = 0; i < 8; i++)
-                    s += baton_bf16_to_f32(v[2 * i]) * xm[i] + baton_bf16_to_f32(v[2 * i + 1]) * xm[8 + i];
-                out[r * M + m] += s;
+/* Portable fallback (compilers without AVX2/FMA for this CPU): the AVX2
+ * path's four chains per feature, in the same order. */
+static void block_generic(const float *xp, int64_t kp, const uint16_t *row, int64_t kb,
+                          int64_t M, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        for (int f = 0; f < 16; f++) {
+            float e = 0.0f, o = 0.0f;
+            for (int64_t j = 0; j < kb; j++) {
+                const uint16_t *blk = row + j * BATON_GEMV_BLOCK;
+                const float *xm = xp + m * kp + 32 * j;
+                for (int p = 0; p < 16; p++) {
+                    e += baton_bf16_to_f32(blk[32 * p + 2 * f]) * xm[2 * p];
+                    o += baton_bf16_to_f32(blk[32 * p + 2 * f + 1]) * xm[2 * p + 1];
+                }
             }
+            out[m * 16 + f] = e + o;
         }
 }
 #endif
@@ -176,39 +169,31 @@ void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, flo
                       int64_t M, int64_t N, int64_t K, int round_bf16) {
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     const int64_t kb = kp / BATON_GEMV_TILE_COLS;
-    const int64_t tiles = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
+    const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
     #pragma omp for schedule(static)
-    for (int64_t g = 0; g < tiles; g++) {
-        const uint16_t *tile = w + g * 8 * kp;
-        float out[8 * BATON_GEMV_MAX_ROWS];
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *row = w + g * BATON_GEMV_TILE_ROWS * kp;
+        float out[16 * BATON_GEMV_MAX_ROWS];
 #ifdef BATON_GEMV_AVX2
-        /* Two input rows against all eight tile rows is the widest that
-         * stays in registers; a third and fourth row take a second pass over
-         * the tile, which is in L1 by then. out[r * M + m]. */
-        float a[16], b[16];
+        /* Two input rows is the widest that stays in registers; a third and
+         * fourth row take a second pass over the block row, which is in L1
+         * or L2 by then. */
         switch (M) {
-        case 1: tile_one_row(xp, tile, kb, out); break;
-        case 2: tile_two_rows(xp, kp, tile, kb, out); break;
+        case 1: block_rows(xp, kp, row, kb, 1, out); break;
+        case 2: block_rows(xp, kp, row, kb, 2, out); break;
+        case 3:
+            block_rows(xp, kp, row, kb, 2, out);
+            block_rows(xp + 2 * kp, kp, row, kb, 1, out + 32);
+            break;
         default:
-            tile_two_rows(xp, kp, tile, kb, a);
-            if (M == 3) tile_one_row(xp + 2 * kp, tile, kb, b);
-            else tile_two_rows(xp + 2 * kp, kp, tile, kb, b);
-            for (int r = 0; r < 8; r++) {
-                out[r * M] = a[r * 2];
-                out[r * M + 1] = a[r * 2 + 1];
-                if (M == 3) {
-                    out[r * 3 + 2] = b[r];
-                } else {
-                    out[r * 4 + 2] = b[r * 2];
-                    out[r * 4 + 3] = b[r * 2 + 1];
-                }
-            }
+            block_rows(xp, kp, row, kb, 2, out);
+            block_rows(xp + 2 * kp, kp, row, kb, 2, out + 32);
             break;
         }
 #else
-        tile_generic(xp, kp, tile, kb, M, out);
+        block_generic(xp, kp, row, kb, M, out);
 #endif
-        store_tile(out, bias, y, g, M, N, round_bf16);
+        store_features(out, bias, y, g, M, N, round_bf16);
     }
 }
 
@@ -218,7 +203,7 @@ int baton_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float 
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     float *xp = (float *)malloc(sizeof(float) * M * kp);
     if (xp == NULL) return 2;
-    for (int64_t m = 0; m < M; m++) baton_gemv_permute(x + m * K, xp + m * kp, K);
+    for (int64_t m = 0; m < M; m++) baton_gemv_pad(x + m * K, xp + m * kp, K);
     #pragma omp parallel num_threads(num_threads)
     baton_gemv_tiles(xp, w, bias, y, M, N, K, 0);
     free(xp);
@@ -230,7 +215,7 @@ int baton_gemv_bf16_act16(const uint16_t *x, const uint16_t *w, const uint16_t *
                           uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || M > BATON_GEMV_MAX_ROWS) return 1;
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
-    /* the input rows (bf16 or permuted float32), one widened row, the
+    /* the input rows (bf16 or float32, zero-padded), one widened row, the
      * float32 bias and the float32 result */
     float *buf = (float *)malloc(sizeof(float) * (M * kp + kp + N + M * N));
     if (buf == NULL) return 2;
@@ -247,7 +232,7 @@ int baton_gemv_bf16_act16(const uint16_t *x, const uint16_t *w, const uint16_t *
 #else
     for (int64_t m = 0; m < M; m++) {
         baton_load_bf16(x + m * K, row, K);
-        baton_gemv_permute(row, buf + m * kp, K);
+        baton_gemv_pad(row, buf + m * kp, K);
     }
     #pragma omp parallel num_threads(num_threads)
     baton_gemv_tiles(buf, w, bias ? bf : 0, yf, M, N, K, 0);

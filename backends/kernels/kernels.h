@@ -344,40 +344,43 @@ int baton_amx_bf16_ready(void);
 int baton_attention_amx(int mode);
 
 /* ------------------------------------------------------- bf16 gemv */
-/* Weights for the gemv are tiled: rows padded to a multiple of 8, columns to
- * a multiple of 16, and stored tile by tile, [N/8][K/16][8][16], so each
- * thread streams one contiguous range. Activations are permuted to match
- * (see baton_gemv_permute): within every 16 columns, the 8 even ones, then
- * the 8 odd ones, because that is how two bf16 values sharing a 32-bit lane
- * widen to float32 in one instruction each. */
-#define BATON_GEMV_TILE_ROWS 8
-#define BATON_GEMV_TILE_COLS 16
+/* Weights for the gemv, the whole-step decode and the AMX tile linear are
+ * stored in blocks of 16 output features by 32 input columns (rows padded
+ * with zeros to a multiple of 16, columns to a multiple of 32), blocks
+ * [N/16][K/32], each block 1 KB holding [16 column pairs][16 features][2]:
+ * feature f's values at columns 2p and 2p + 1 of the block share a 32-bit
+ * word, and the sixteen features' words for pair p are one 64-byte line.
+ * That is AMX's B operand as it stands (TDPBF16PS: 16 pairs x 16 columns of
+ * bf16 pairs) and, for the vector gemv, one 512-bit load gives sixteen
+ * features' products with one broadcast pair of the input row (VDPBF16PS,
+ * or two float32 FMAs per 8 features): each feature's sum stays in its own
+ * lane, with no horizontal reduction. A thread's share of W (whole blocks of
+ * 16 features) is one contiguous stream. Input rows are read in their own
+ * column order, zero-padded to round_up(K, 32). */
+#define BATON_GEMV_TILE_ROWS 16
+#define BATON_GEMV_TILE_COLS 32
+#define BATON_GEMV_BLOCK (BATON_GEMV_TILE_ROWS * BATON_GEMV_TILE_COLS)
 #define BATON_GEMV_MAX_ROWS 4
 
 static inline int64_t baton_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-/* x [K] -> xp [round_up(K, 16)], permuted, zero-padded */
-static inline void baton_gemv_permute(const float *x, float *xp, int64_t K) {
+/* x [K] -> xp [round_up(K, 32)], zero-padded */
+static inline void baton_gemv_pad(const float *x, float *xp, int64_t K) {
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
-    for (int64_t k0 = 0; k0 < kp; k0 += 16) {
-        for (int64_t i = 0; i < 8; i++) {
-            const int64_t e = k0 + 2 * i, o = e + 1;
-            xp[k0 + i] = e < K ? x[e] : 0.0f;
-            xp[k0 + 8 + i] = o < K ? x[o] : 0.0f;
-        }
-    }
+    for (int64_t k = 0; k < K; k++) xp[k] = x[k];
+    for (int64_t k = K; k < kp; k++) xp[k] = 0.0f;
 }
 
-/* y [M, N] = x @ W^T (+ bias) with xp [M, round_up(K, 16)] permuted rows and
- * W tiled; each y rounded to a bf16 value when round_bf16. Worksharing loop:
+/* y [M, N] = x @ W^T (+ bias) with xp [M, round_up(K, 32)] zero-padded rows
+ * and W tiled; each y rounded to a bf16 value when round_bf16. Worksharing loop:
  * call from every thread of a parallel region (or outside one, serially).
  * Ends with the loop's barrier. */
 void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, float *y,
                       int64_t M, int64_t N, int64_t K, int round_bf16);
 
 #ifdef BATON_GEMV_DP
-/* The same for bf16 input rows xb [M, round_up(K, 16)] in natural column
- * order (zero-padded), with VDPBF16PS; y rounded to bf16 values. */
+/* The same for bf16 input rows xb [M, round_up(K, 32)] (zero-padded), with
+ * VDPBF16PS; y rounded to bf16 values. */
 void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
                             int64_t M, int64_t N, int64_t K);
 #endif

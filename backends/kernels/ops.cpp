@@ -314,17 +314,19 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_lse(
   return {out, lse};
 }
 
-// The gemv's tiled bf16 weights of a [out_features, kk] matrix (rows in tiles
-// of 8, columns in tiles of 16: at least out_features rows when any_extra_tiles,
-// else exactly the tiles out_features needs) and an optional bias like x.
+// The gemv's tiled bf16 weights of a [out_features, kk] matrix (kernels.h:
+// blocks of 16 rows by 32 columns; at least out_features rows when
+// any_extra_tiles, else exactly the blocks out_features needs) and an
+// optional bias like x.
 void check_tiled_weights(const at::Tensor& w_tiled, int64_t out_features, int64_t kk,
                          bool any_extra_tiles, const std::optional<at::Tensor>& bias,
                          const at::Tensor& x) {
   check_cpu(w_tiled, "w_tiled");
   TORCH_CHECK(w_tiled.scalar_type() == at::kBFloat16 && w_tiled.dim() == 4 &&
-                  w_tiled.size(0) * 8 >= out_features &&
-                  (any_extra_tiles || w_tiled.size(0) * 8 < out_features + 8) &&
-                  w_tiled.size(1) * 16 == (kk + 15) / 16 * 16,
+                  w_tiled.size(0) * 16 >= out_features &&
+                  (any_extra_tiles || w_tiled.size(0) * 16 < out_features + 16) &&
+                  w_tiled.size(1) * 32 == (kk + 31) / 32 * 32 &&
+                  w_tiled.size(2) == 16 && w_tiled.size(3) == 32 && w_tiled.is_contiguous(),
               "baton: w_tiled must be the tiled bf16 layout of a [", out_features, ", ", kk,
               "] matrix");
   if (bias) {
