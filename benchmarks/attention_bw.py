@@ -121,7 +121,12 @@ def main() -> None:
                 pools, lens, touched = make_pools(rows, ctx, kv, gen, BS, kvh_major)
                 line = [f"kv {kv_name:8s} rows {rows:2d} ctx {ctx:4d} block {BS:3d} "
                         f"{layout} ({len(pools)} pools)"]
-                for kind in kinds:
+                for label in kinds:
+                    kind, _, variant = label.partition(":")
+                    if variant not in ("", "no-amx"):
+                        raise SystemExit(f"unknown variant {label!r} (only :no-amx)")
+                    if kind in native.KINDS and native.available(kind)[0]:
+                        native.attention_amx(kind, 0 if variant else 1)
                     qdt = torch.bfloat16 if kv == torch.bfloat16 and (
                         kind == "avx512_bf16" or (kind == "sdpa" and cpu.native_bf16)) else kv
                     if qdt == torch.bfloat16 and kv != torch.bfloat16:
@@ -139,7 +144,7 @@ def main() -> None:
                         fn = _per_kv_head(q, lens, ctx, BS, native.kind_id(kind))
                     else:
                         if kind not in cpu.kinds or not native.available(kind)[0]:
-                            line.append(f"{kind}: -")
+                            line.append(f"{label}: -")
                             continue
                         k_id = native.kind_id(kind)
 
@@ -147,7 +152,7 @@ def main() -> None:
                             return torch.ops.baton.paged_decode_attention(
                                 q, k, v, t, lens, ctx, BS, SCALE, k_id)
                     s = timed(fn, pools)
-                    line.append(f"{kind} {s * 1e3:.3f} ms {touched / s / 1e9:.1f} GB/s")
+                    line.append(f"{label} {s * 1e3:.3f} ms {touched / s / 1e9:.1f} GB/s")
                 print("  ".join(line), flush=True)
                 del pools
 

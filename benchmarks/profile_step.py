@@ -67,11 +67,17 @@ def main() -> None:
                     help="weight-only quantization (gguf: keep a GGUF file's blocks)")
     ap.add_argument("--no-amx", action="store_true",
                     help="decode batches on oneDNN, not the AMX tile linear (backends/execution.py)")
+    ap.add_argument("--no-amx-attention", action="store_true",
+                    help="bf16 decode attention scores on VDPBF16PS, not AMX tiles "
+                         "(backends/kernels/paged_attention.c)")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_amx_attention:
+        from backends import kernels as native
+        native.attention_amx("avx512_bf16", 0)
     path = resolve_model_path(args.model)
     if args.quantization == "gguf":  # as the engine loads it: the file's blocks kept
         from backends.loader.gguf import load_gguf

@@ -13,12 +13,14 @@
  *
  * The builds agree to rounding, not bit for bit: the AVX-512 kinds take the
  * softmax's sum over sixteen lanes (the AVX2 kind over eight), the
- * AVX512_BF16 kind its bf16 scores in another order, and the split-context
- * path depends on the thread count. Within a build and thread count the
- * result is one function of the inputs (with or without lse).
+ * AVX512_BF16 kind its bf16 scores in another order (on AMX tiles where the
+ * CPU has them, else VDPBF16PS: baton_attention_amx), and the split-context
+ * path depends on the thread count. Within a build, scores path and thread
+ * count the result is one function of the inputs (with or without lse).
  *
  * Software prefetch of the next blocks was measured (2026-12-01, one and
- * two blocks ahead, to L1 and to L2): no gain over the hardware prefetchers
+ * two blocks ahead, to L1 and to L2; again with the AMX scores, 1 to 8
+ * pieces of sixteen positions ahead): no gain over the hardware prefetchers
  * on the 6 KB blocks here, so none is issued.
  *
  * Layouts (all contiguous):
