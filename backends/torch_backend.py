@@ -248,7 +248,16 @@ class TorchBackend:
             eps=c.rms_norm_eps, cos_table=m.cos_table, sin_table=m.sin_table,
             final_norm=f32(m.norm), layers=layers,
             activation_dtype=DTYPES[self.plan.activation_dtype], int4_group=group,
-            int4_form=form)
+            int4_form=form, amx=self._whole_step_amx(kind, int4))
+
+    def _whole_step_amx(self, kind: str | None, int4: bool) -> bool:
+        """Whether the whole-step decode's linears run on AMX tiles: where the
+        plan gives decode batches to the AMX tile linear (bf16 on a CPU and
+        OS with AMX tile data) and the decode runs that plan's kernels. Its
+        rows then get what the layer path's AMX tile linear gives them."""
+        return (bool(self.plan.amx_linear_rows) and not int4
+                and (kind or self.plan.kernels) == self.plan.kernels
+                and self.plan.activation_dtype == "bfloat16")
 
     @property
     def bf16_weights(self) -> bool:

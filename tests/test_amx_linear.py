@@ -224,3 +224,20 @@ def test_amx_decode_batches_agree_with_onednn(request, arch):
     assert counting.rows == []
     assert ids_a == ids_b
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
+
+
+def test_whole_step_decode_runs_amx_tiles_where_the_plan_has_them(tiny_llama_dir):
+    """The whole-step decode's linears take the AMX tiles where the plan gives
+    decode batches to the tile linear (each row then gets the tile linear's
+    result), and the vector gemv otherwise: without AMX in the plan, for a
+    lower kind forced, and never for another dtype. Its tokens against the
+    layer path: test_native_bf16_whole_step_decode_agrees_with_its_layer_path."""
+    _amx_or_skip()
+    fast, plain = _backend(tiny_llama_dir, amx=True), _backend(tiny_llama_dir, amx=False)
+    assert fast._whole_step.amx and not plain._whole_step.amx
+    assert not fast._native_decode("avx512").amx
+    with pytest.raises(ValueError, match="bf16 weights and activations"):
+        native.DecodeBf16("avx512_bf16", hidden=8, num_heads=1, num_kv_heads=1, head_dim=8,
+                          intermediate=8, block_size=4, eps=1e-6,
+                          cos_table=torch.zeros(4, 8), sin_table=torch.zeros(4, 8),
+                          final_norm=torch.ones(8), layers=[], amx=True)

@@ -421,7 +421,7 @@ class _Model(ctypes.Structure):
         "block_size", "kv_bf16", "act_bf16")],
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("cos_table", _p), ("sin_table", _p), ("final_norm", _p), ("layers", _p),
-        ("int4_group", _i64), ("int4_form", _i64)]
+        ("int4_group", _i64), ("int4_form", _i64), ("amx", _i64)]
 
 
 @dataclass(frozen=True)
@@ -455,14 +455,17 @@ class DecodeBf16:
     bfloat16: every activation rounded to bf16 where the layer-by-layer bf16
     path rounds it (CPUs with native bf16). Holds references to every tensor
     it points at; the final norm and the layers' norms and bias are float32,
-    the rotary tables [positions, head_dim] in the activation dtype."""
+    the rotary tables [positions, head_dim] in the activation dtype. ``amx``
+    (bf16 weights and activations, where ``amx_ready(kind)``): the linears on
+    AMX tiles, each row's result the AMX tile linear's (LinearAmx) to the bit,
+    instead of the vector gemv."""
 
     def __init__(self, kind: str, *, hidden: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate: int, block_size: int, eps: float,
                  cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
                  layers: list[DecodeLayerWeights],
                  activation_dtype: torch.dtype = torch.float32,
-                 int4_group: int = 0, int4_form: int = 0) -> None:
+                 int4_group: int = 0, int4_form: int = 0, amx: bool = False) -> None:
         if activation_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"DecodeBf16 computes float32 or bfloat16 activations, "
                              f"not {activation_dtype}")
@@ -475,6 +478,14 @@ class DecodeBf16:
         ok, reason = available(kind)
         if not ok:
             raise RuntimeError(reason)
+        if amx:
+            if int4_group or activation_dtype != torch.bfloat16:
+                raise ValueError("the whole-step decode runs AMX tiles for bf16 weights "
+                                 "and activations only")
+            ok, reason = amx_ready(kind)
+            if not ok:
+                raise RuntimeError(reason)
+        self.amx = amx
         lib = library()
         sizes = getattr(lib, f"baton_decode_bf16_struct_sizes_{kind}")
         sizes.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
@@ -509,7 +520,7 @@ class DecodeBf16:
             eps=eps, scale=head_dim ** -0.5,
             cos_table=cos_table.data_ptr(), sin_table=sin_table.data_ptr(),
             final_norm=final_norm.data_ptr(), layers=ctypes.addressof(self._layers),
-            int4_group=int4_group, int4_form=int4_form)
+            int4_group=int4_group, int4_form=int4_form, amx=int(amx))
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -90,32 +90,43 @@ int baton_amx_bf16_ready(void) {
 }
 
 /* A [16 rows][16 features] float32 block (c, row stride 16) plus bias to
- * y[m * N + n0 + f] in bf16, for f < nr, m < mr, rounded once. */
-AMX_TARGET static void store_block(const float *c, const float *bias, uint16_t *y, int64_t N,
-                                   int64_t n0, int64_t m0, int nr, int mr) {
+ * row m0 + m, features n0 + f of the result, for f < nr, m < mr, rounded
+ * once to bf16: into y16 (bf16), or, when y16 is NULL, into yf as float32
+ * holding the bf16 value (the whole-step decode's rows). */
+AMX_TARGET static void store_block(const float *c, const float *bias, uint16_t *y16, float *yf,
+                                   int64_t N, int64_t n0, int64_t m0, int nr, int mr) {
     const __mmask16 keep = (__mmask16)((1u << nr) - 1u);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < mr; m++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + 16 * m), b);
-        _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(v));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        if (y16)
+            _mm256_mask_storeu_epi16(y16 + (m0 + m) * N + n0, keep, h);
+        else
+            _mm512_mask_storeu_ps(yf + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
     }
 }
 
 /* Feature blocks [g0, g1) for every row block of xp [mp][kp] (bf16,
- * zero-padded): C[mi][gi] in tmm(2 * mi + gi), A (rows) in tmm 4 and 5, B
- * (weights) in tmm 6 and 7. */
+ * zero-padded to kp columns; mp a multiple of 16, or mp = M < 16 rows
+ * exactly: the A and C tiles then hold M rows): C[mi][gi] in tmm(2 * mi +
+ * gi), A (rows) in tmm 4 and 5, B (weights) in tmm 6 and 7. A row's sums do
+ * not depend on the rows configured beside it. Results into y16 (bf16) or,
+ * when y16 is NULL, yf (store_block). */
 AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
-                                  const uint16_t *w, const float *bias, uint16_t *y,
-                                  int64_t M, int64_t N, int64_t g0, int64_t g1) {
+                                  const uint16_t *w, const float *bias, uint16_t *y16,
+                                  float *yf, int64_t M, int64_t N, int64_t g0, int64_t g1) {
     amx_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = 16;
+        cfg.rows[i] = (i < 6 && mp < 16) ? (uint8_t)mp : 16;
         cfg.colsb[i] = 64;
     }
     _tile_loadconfig(&cfg);
-    const int64_t kb = kp / BATON_GEMV_TILE_COLS, mblocks = mp / 16, xstride = kp * 2;
+    const int64_t kb = kp / BATON_GEMV_TILE_COLS, xstride = kp * 2;
+    const int64_t mblocks = mp < 16 ? 1 : mp / 16;
     const int64_t wrow = BATON_GEMV_TILE_ROWS * kp;  /* bf16 values per feature block */
     float c[4][16][16];
     for (int64_t g = g0; g < g1; g += 2) {
@@ -179,7 +190,8 @@ AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
                 for (int q = 0; q < 1 + two; q++) {
                     const int64_t n0 = (g + q) * 16;
                     const int nr = (int)(N - n0 < 16 ? N - n0 : 16);
-                    if (nr > 0) store_block(&c[2 * h + q][0][0], bias, y, N, n0, m0, nr, mr);
+                    if (nr > 0)
+                        store_block(&c[2 * h + q][0][0], bias, y16, yf, N, n0, m0, nr, mr);
                 }
             }
         }
@@ -218,14 +230,40 @@ int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
         const int64_t g1 = 2 * p1 < groups ? 2 * p1 : groups;
         #pragma omp barrier
         if (2 * p0 < g1)
-            amx_groups(xp, mp, kp, w, bias ? bf : 0, y, M, N, 2 * p0, g1);
+            amx_groups(xp, mp, kp, w, bias ? bf : 0, y, 0, M, N, 2 * p0, g1);
     }
     free(xp);
     free(bf);
     return 0;
 }
+
+/* The whole-step decode's linear on tiles: y [M, N] = xb @ W^T (+ bias), as
+ * float32 holding bf16 values (rounded once), for 1 <= M <= 16 bf16 rows xb
+ * [M][round_up(K, 32)] (zero-padded). Called by every thread of a parallel
+ * region (or outside one), each thread taking its contiguous run of block
+ * pairs as baton_linear_amx_bf16 does, so a row's result is that kernel's to
+ * the bit. Ends with a barrier, like the gemv's worksharing loop. */
+void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *bias,
+                            float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+    const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
+    const int64_t pairs = (groups + 1) / 2;
+    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t p0 = pairs * me / nt, p1 = pairs * (me + 1) / nt;
+    const int64_t g1 = 2 * p1 < groups ? 2 * p1 : groups;
+    if (2 * p0 < g1) amx_groups(xb, M, kp, w, bias, 0, y, M, N, 2 * p0, g1);
+    #pragma omp barrier
+}
 #else
 int baton_amx_bf16_ready(void) { return 0; }
+
+#ifdef BATON_GEMV_DP
+/* Never called where baton_amx_bf16_ready answers 0; the gemv if it were. */
+void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *bias,
+                            float *y, int64_t M, int64_t N, int64_t K) {
+    baton_gemv_tiles_bf16x(xb, w, bias, y, M, N, K);
+}
+#endif
 
 int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                           uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads) {

@@ -60,6 +60,9 @@ typedef struct {
      * input rows, bf16 results, bias added after that rounding) in
      * int4_form; 0: tiled bf16. */
     int64_t int4_group, int4_form;
+    /* 1: the bf16 linears (act_bf16) on AMX tiles (baton_linear_amx_tiles);
+     * the caller has checked that this CPU and process may use them. */
+    int64_t amx;
 } baton_model;
 
 /* The caller's mirror of the two structs (ctypes) checks its sizes here. */
@@ -127,7 +130,8 @@ static inline void gemv(const baton_model *m, const float *xp, const uint16_t *x
     }
 #ifdef BATON_GEMV_DP
     if (m->act_bf16) {
-        baton_gemv_tiles_bf16x(xb, w, bias, y, M, N, K);
+        if (m->amx) baton_linear_amx_tiles(xb, w, bias, y, M, N, K);
+        else baton_gemv_tiles_bf16x(xb, w, bias, y, M, N, K);
         return;
     }
 #endif

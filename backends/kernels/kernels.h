@@ -38,6 +38,7 @@
 #define baton_amx_bf16_ready BATON_FN(baton_amx_bf16_ready)
 #define baton_attention_amx BATON_FN(baton_attention_amx)
 #define baton_linear_amx_bf16 BATON_FN(baton_linear_amx_bf16)
+#define baton_linear_amx_tiles BATON_FN(baton_linear_amx_tiles)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
 #define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
 #define baton_gemv_q4_tiles BATON_FN(baton_gemv_q4_tiles)
@@ -382,6 +383,11 @@ void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, flo
 /* The same for bf16 input rows xb [M, round_up(K, 32)] (zero-padded), with
  * VDPBF16PS; y rounded to bf16 values. */
 void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
+                            int64_t M, int64_t N, int64_t K);
+/* The same on AMX tiles (amx_bf16.c) for 1 <= M <= 16 rows, where
+ * baton_amx_bf16_ready() says the CPU and the OS allow them; called by every
+ * thread of a parallel region, ends with a barrier. */
+void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
                             int64_t M, int64_t N, int64_t K);
 #endif
 
