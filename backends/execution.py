@@ -188,6 +188,11 @@ class ExecutionPlan:
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
     amx_linear_rows: int = 0         # max rows of the AMX tile linear (above the gemv's); 0 off
+    # The native decode attention's bf16 scores (bf16 query and KV): "amx"
+    # (TDPBF16PS tiles, where the avx512_bf16 kernels run and AMX tile data
+    # is granted; paged_attention.c decides the same at run time and keeps
+    # VDPBF16PS for shapes the tiles do not take) or "" (the vector path).
+    attention_scores: str = ""
     notes: tuple[str, ...] = field(default=())
     weight_formats: tuple[str, ...] = ()  # a GGUF's projection formats (GGML types)
     # What the architecture adds (see ModelConfig); "none" where it has none.
@@ -217,7 +222,8 @@ class ExecutionPlan:
         parts = [f"{self.dtype} on {where}: {numerics}",
                  f"linear {self.linear}", f"lm_head {self.lm_head}",
                  f"kernels {kernels}", f"norm {self.norm}", f"rope+kv {self.rope_kv_store}",
-                 f"decode attention {self.decode_attention}",
+                 f"decode attention {self.decode_attention}"
+                 + (f" ({self.attention_scores} scores)" if self.attention_scores else ""),
                  f"prefill attention {self.prefill_attention}",
                  f"{self.mlp_activation} {self.activation}",
                  f"greedy pick {self.greedy_pick}"]
@@ -408,4 +414,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         whole_step_decode=whole_step, whole_step_weights=whole_weights,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,
+        attention_scores="amx" if (native and kernels == "avx512_bf16" and cpu.amx_bf16
+                                   and available.amx_tiles and kv == "bfloat16"
+                                   and activation == "bfloat16") else "",
         notes=tuple(notes))

@@ -185,6 +185,27 @@ def test_plan_gives_decode_batches_to_amx_only_where_it_runs():
             plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, plan.linear)
 
 
+def test_plan_names_amx_attention_scores_where_the_kernel_takes_them():
+    """The decode attention kernel's bf16 scores run on AMX tiles wherever the
+    avx512_bf16 kernels run with AMX tile data (paged_attention.c decides it
+    at run time, whatever ExecutionOptions.amx says of the linears): the plan
+    and its log line say so there, and only there."""
+    plan = make_plan("cpu", "bfloat16", "none", AMX, ALL)
+    assert plan.attention_scores == "amx"
+    assert "decode attention native (amx scores)" in plan.describe()
+    assert make_plan("cpu", "bfloat16", "none", AMX, ALL,
+                     ExecutionOptions(amx=False)).attention_scores == "amx"
+    no_tiles = Availability(native_kernels=ALL.native_kernels, onednn_dtypes=ALL.onednn_dtypes)
+    others = [make_plan("cpu", "bfloat16", "none", ZEN4, ALL),
+              make_plan("cpu", "bfloat16", "none", AMX, no_tiles),
+              make_plan("cpu", "bfloat16", "none", AMX, ALL, ExecutionOptions(cpu_kind="avx2")),
+              make_plan("cpu", "float32", "none", AMX, ALL),
+              make_plan("cpu", "bfloat16", "none", AMX, ALL,
+                        ExecutionOptions(fast_paths=False))]
+    assert [p.attention_scores for p in others] == [""] * len(others)
+    assert all("scores)" not in p.describe() for p in others)
+
+
 def _backend(path, amx: bool):
     loaded = load_model(path, dtype=torch.bfloat16)
     return create_backend(loaded, BackendConfig(

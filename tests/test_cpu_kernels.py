@@ -48,14 +48,18 @@ def kind(request) -> str:
     return _kind_or_skip(request.param)
 
 
-@pytest.fixture(scope="module")
-def kernel(kind):
+def _attention_kernel(kind: str):
     k = native.kind_id(kind)
 
     def attention(q, k_cache, v_cache, tables, lens, max_len, block_size, scale):
         return torch.ops.baton.paged_decode_attention(q, k_cache, v_cache, tables, lens,
                                                       max_len, block_size, scale, k)
     return attention
+
+
+@pytest.fixture(scope="module")
+def kernel(kind):
+    return _attention_kernel(kind)
 
 
 def test_each_kind_is_built_for_its_instruction_set(kind):
@@ -260,24 +264,7 @@ def test_bf16_qkv_rope_store_matches_float32_rounded(kind, qk_norm):
         torch.testing.assert_close(got.float(), want.float(), **BF16_ULP)
 
 
-@pytest.fixture(params=["default", "no-amx"])
-def scores_path(request, kind):
-    """The avx512_bf16 kind's bf16 scores both ways where the CPU has AMX:
-    on AMX tiles (its default) and forced onto VDPBF16PS (what an
-    AVX512_BF16 CPU without AMX runs). Other kinds: their one path."""
-    if request.param == "default":
-        yield "amx" if native.attention_amx(kind) else "vector"
-        return
-    if kind != "avx512_bf16" or not native.attention_amx(kind):
-        pytest.skip(f"the {kind} kernels take no bf16 scores on AMX here: one path only")
-    native.attention_amx(kind, 0)
-    try:
-        yield "vdpbf16ps"
-    finally:
-        native.attention_amx(kind, 1)
-
-
-@pytest.mark.parametrize("h,kvh,d,bs", [
+BF16_ATTENTION_SHAPES = pytest.mark.parametrize("h,kvh,d,bs", [
     (9, 3, 64, 16),     # SmolLM2
     (14, 2, 64, 16),    # seven query heads per kv head
     (12, 2, 128, 16),   # wide heads
@@ -286,10 +273,9 @@ def scores_path(request, kind):
     (4, 2, 64, 32),     # blocks wider than the bf16 scores take at once
     (9, 3, 64, 128),    # larger blocks
 ])
-def test_bf16_decode_attention_matches_float32_rounded(kernel, scores_path, h, kvh, d, bs):
-    """A bf16 query (scores as bf16 dot products where the CPU has them: on
-    AMX tiles, or VDPBF16PS) against the same values in float32 (scores as
-    float32 FMAs)."""
+
+
+def _bf16_attention_matches_float32_rounded(kernel, h, kvh, d, bs):
     gen = torch.Generator().manual_seed(23)
     nb = -(-150 // bs)
     k_cache, v_cache = _bf16(300 * bs, kvh, d, gen=gen), _bf16(300 * bs, kvh, d, gen=gen)
@@ -300,6 +286,30 @@ def test_bf16_decode_attention_matches_float32_rounded(kernel, scores_path, h, k
     ref = kernel(q.float(), k_cache, v_cache, tables, lens, 150, bs, d ** -0.5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), **BF16_ULP)
+
+
+@BF16_ATTENTION_SHAPES
+def test_bf16_decode_attention_matches_float32_rounded(kernel, h, kvh, d, bs):
+    """A bf16 query (scores as bf16 dot products where the kind has them: on
+    AMX tiles where the avx512_bf16 kind has AMX, else VDPBF16PS) against the
+    same values in float32 (scores as float32 FMAs)."""
+    _bf16_attention_matches_float32_rounded(kernel, h, kvh, d, bs)
+
+
+@BF16_ATTENTION_SHAPES
+def test_bf16_decode_attention_forced_onto_vdpbf16ps(h, kvh, d, bs):
+    """The avx512_bf16 kind's scores forced off AMX onto VDPBF16PS (what an
+    AVX512_BF16 CPU without AMX runs), on a CPU that has AMX."""
+    _kind_or_skip("avx512_bf16")
+    if not native.attention_amx("avx512_bf16"):
+        pytest.skip("no AMX tile data here: the default avx512_bf16 run above is "
+                    "already the VDPBF16PS path")
+    native.attention_amx("avx512_bf16", 0)
+    try:
+        _bf16_attention_matches_float32_rounded(
+            _attention_kernel("avx512_bf16"), h, kvh, d, bs)
+    finally:
+        native.attention_amx("avx512_bf16", 1)
 
 
 def test_kernel_ignores_slots_past_each_length(kernel):
