@@ -27,7 +27,9 @@
  * reference's order, as bf16_ops.c), each linear's output, q after rotary,
  * attention's output, silu(gate) * up. The step then computes what the bf16
  * kernels and oneDNN's bf16 linears compute, in another summation order;
- * builds for AVX512_BF16 multiply with VDPBF16PS (gemv_bf16.c).
+ * builds for AVX512_BF16 multiply with VDPBF16PS (gemv_bf16.c), or, where
+ * the plan gives decode batches to the AMX tile linear (amx), on AMX tiles
+ * (baton_linear_amx_tiles: a row's result is the tile linear's, bit for bit).
  *
  * With int4 weights (int4_group > 0: int4 and Q4 GGUF projections) the four
  * matrices are gemv_q4.c's panels instead, multiplied as torch's int4 kernel
