@@ -37,11 +37,6 @@
 
 #include "kernels.h"
 
-#if defined(BATON_GEMV_DP) && defined(__x86_64__) && defined(__GNUC__) && \
-    (__GNUC__ >= 11 || defined(__clang__))
-#define BATON_AMX 1
-#endif
-
 #ifdef BATON_AMX
 #include <cpuid.h>
 #include <immintrin.h>
@@ -49,30 +44,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-/* the weight block PF_AHEAD blocks ahead of j (sixteen cache lines) */
-#ifndef PF_AHEAD
-#define PF_AHEAD 2
-#endif
-#if PF_AHEAD == 0
-#define PREFETCH_W(base, j) do { } while (0)
-#else
-#define PREFETCH_W(base, j)                                                   \
-    do {                                                                      \
-        const char *pf_ = (const char *)((base) + ((j) + PF_AHEAD) * BATON_GEMV_BLOCK); \
-        for (int l_ = 0; l_ < 1024; l_ += 64) _mm_prefetch(pf_ + l_, _MM_HINT_T0); \
-    } while (0)
-#endif
 
 static int amx_state = -1;  /* -1 not asked yet, 0 no, 1 yes */
 
@@ -93,7 +66,7 @@ int baton_amx_bf16_ready(void) {
  * row m0 + m, features n0 + f of the result, for f < nr, m < mr, rounded
  * once to bf16: into y16 (bf16), or, when y16 is NULL, into yf as float32
  * holding the bf16 value (the whole-step decode's rows). */
-AMX_TARGET static void store_block(const float *c, const float *bias, uint16_t *y16, float *yf,
+BATON_AMX_TARGET static void store_block(const float *c, const float *bias, uint16_t *y16, float *yf,
                                    int64_t N, int64_t n0, int64_t m0, int nr, int mr) {
     const __mmask16 keep = (__mmask16)((1u << nr) - 1u);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
@@ -114,10 +87,10 @@ AMX_TARGET static void store_block(const float *c, const float *bias, uint16_t *
  * gi), A (rows) in tmm 4 and 5, B (weights) in tmm 6 and 7. A row's sums do
  * not depend on the rows configured beside it. Results into y16 (bf16) or,
  * when y16 is NULL, yf (store_block). */
-AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
+BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
                                   const uint16_t *w, const float *bias, uint16_t *y16,
                                   float *yf, int64_t M, int64_t N, int64_t g0, int64_t g1) {
-    amx_config cfg;
+    baton_amx_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) {
@@ -141,8 +114,8 @@ AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
             _tile_zero(3);
             if (two && twom) {
                 for (int64_t j = 0; j < kb; j++) {
-                    PREFETCH_W(w0, j);
-                    PREFETCH_W(w1, j);
+                    baton_prefetch_block(w0, j);
+                    baton_prefetch_block(w1, j);
                     _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
                     _tile_loadd(4, x0 + j * 32, xstride);
                     _tile_loadd(7, w1 + j * BATON_GEMV_BLOCK, 64);
@@ -154,8 +127,8 @@ AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
                 }
             } else if (two) {
                 for (int64_t j = 0; j < kb; j++) {
-                    PREFETCH_W(w0, j);
-                    PREFETCH_W(w1, j);
+                    baton_prefetch_block(w0, j);
+                    baton_prefetch_block(w1, j);
                     _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
                     _tile_loadd(4, x0 + j * 32, xstride);
                     _tile_loadd(7, w1 + j * BATON_GEMV_BLOCK, 64);
@@ -164,7 +137,7 @@ AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
                 }
             } else if (twom) {
                 for (int64_t j = 0; j < kb; j++) {
-                    PREFETCH_W(w0, j);
+                    baton_prefetch_block(w0, j);
                     _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
                     _tile_loadd(4, x0 + j * 32, xstride);
                     _tile_loadd(5, x1 + j * 32, xstride);
@@ -173,7 +146,7 @@ AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
                 }
             } else {
                 for (int64_t j = 0; j < kb; j++) {
-                    PREFETCH_W(w0, j);
+                    baton_prefetch_block(w0, j);
                     _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
                     _tile_loadd(4, x0 + j * 32, xstride);
                     _tile_dpbf16ps(0, 4, 6);

@@ -31,25 +31,6 @@
 #define BATON_GEMV_AVX2 1
 #endif
 
-/* Block j + GEMV_PF_AHEAD of a block row (all sixteen lines of the 1 KB
- * block), asked for ahead of its use: with it a whole-step decode of one row
- * took 16-17 ms instead of 20-21 on the Xeon (model 207), four rows 25 ms
- * instead of 33, and the avx2 build's gemv streamed ~20% faster there too
- * (docs/benchmarks.md, session 7). Past a block row's end it fetches the
- * next one, which the same thread reads next (a static share of rows). */
-#ifndef GEMV_PF_AHEAD
-#define GEMV_PF_AHEAD 2
-#endif
-#if GEMV_PF_AHEAD == 0 || !defined(BATON_AVX2)
-#define GEMV_PREFETCH(row, j) do { } while (0)
-#else
-#define GEMV_PREFETCH(row, j)                                                  \
-    do {                                                                       \
-        const char *pf_ = (const char *)((row) + ((j) + GEMV_PF_AHEAD) * BATON_GEMV_BLOCK); \
-        for (int l_ = 0; l_ < 1024; l_ += 64) _mm_prefetch(pf_ + l_, _MM_HINT_T0); \
-    } while (0)
-#endif
-
 int baton_gemv_bf16_max_rows(void) { return BATON_GEMV_MAX_ROWS; }
 
 /* 1 when this build has the AVX2/FMA paths, 0 when only the portable ones. */
@@ -95,7 +76,7 @@ static inline __attribute__((always_inline)) void block_rows(
         for (int i = 0; i < 4; i++) acc[m][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < kb; j++) {
         const uint16_t *blk = row + j * BATON_GEMV_BLOCK;
-        GEMV_PREFETCH(row, j);
+        baton_prefetch_block(row, j);
         for (int p = 0; p < 16; p++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(blk + 32 * p));
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(blk + 32 * p + 16));
@@ -131,7 +112,7 @@ static inline __attribute__((always_inline)) void block_dp(
     for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < kb; j++) {
         const uint16_t *blk = row + j * BATON_GEMV_BLOCK;
-        GEMV_PREFETCH(row, j);
+        baton_prefetch_block(row, j);
         for (int p = 0; p < 16; p++) {
             const __m512i w = _mm512_loadu_si512((const void *)(blk + 32 * p));
             for (int m = 0; m < M; m++) {

@@ -58,6 +58,21 @@
     defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define BATON_GEMV_DP 1
 #endif
+/* AMX tile code (TDPBF16PS): only in the build that has VDPBF16PS, in
+ * functions carrying BATON_AMX_TARGET (no global flag changes), taken only
+ * where baton_amx_bf16_ready() says the CPU and the OS allow it. */
+#if defined(BATON_GEMV_DP) && defined(__x86_64__) && defined(__GNUC__) && \
+    (__GNUC__ >= 11 || defined(__clang__))
+#define BATON_AMX 1
+#define BATON_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl")))
+/* The 64-byte operand of LDTILECFG (palette 1). */
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} baton_amx_config;
+#endif
 
 #ifdef BATON_AVX2
 /* The constants of baton_exp256 and baton_exp512 (one arithmetic, two widths). */
@@ -362,6 +377,26 @@ int baton_attention_amx(int mode);
 #define BATON_GEMV_TILE_COLS 32
 #define BATON_GEMV_BLOCK (BATON_GEMV_TILE_ROWS * BATON_GEMV_TILE_COLS)
 #define BATON_GEMV_MAX_ROWS 4
+
+/* Block j + BATON_GEMV_PF_AHEAD of a stream of tiled blocks (all sixteen
+ * lines of the 1 KB block), asked for ahead of its use; the gemv and the AMX
+ * tile linear stream W this way. With it a whole-step decode of one row took
+ * 16-17 ms instead of 20-21 on the Xeon (model 207), four rows 25 ms instead
+ * of 33, and the avx2 build's gemv streamed ~20% faster there too
+ * (docs/benchmarks.md, session 7). Past a block row's end it fetches the
+ * next one, which the same thread reads next (a static share of rows). */
+#ifndef BATON_GEMV_PF_AHEAD
+#define BATON_GEMV_PF_AHEAD 2
+#endif
+static inline void baton_prefetch_block(const uint16_t *base, int64_t j) {
+#if defined(BATON_AVX2) && BATON_GEMV_PF_AHEAD > 0
+    const char *p = (const char *)(base + (j + BATON_GEMV_PF_AHEAD) * BATON_GEMV_BLOCK);
+    for (int l = 0; l < BATON_GEMV_BLOCK * 2; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+#else
+    (void)base;
+    (void)j;
+#endif
+}
 
 static inline int64_t baton_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 

@@ -431,8 +431,7 @@ static inline void qk_block_dispatch(const uint16_t *qh, const uint16_t *k_cache
     }
 }
 
-#if defined(BATON_GEMV_DP) && defined(__x86_64__) && defined(__GNUC__) && \
-    (__GNUC__ >= 11 || defined(__clang__))
+#ifdef BATON_AMX
 /* Scores on AMX tiles (TDPBF16PS), where baton_amx_bf16_ready() and
  * baton_attention_amx() leave them: sixteen positions of a block (K rows
  * straight from the pool, 64 bytes of one slot each, the slot row apart) are
@@ -441,23 +440,13 @@ static inline void qk_block_dispatch(const uint16_t *qh, const uint16_t *k_cache
  * one that piece of the slot holds), are B; C holds the sixteen positions'
  * scores of every head, no horizontal sums. The products are exact in
  * float32 and summed in float32 as VDPBF16PS does (another order). */
-#define BATON_ATTN_AMX 1
-#define ATTN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl")))
-
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} attn_tile_config;
-
 /* Pieces of 32 dims a tile pass takes at most (the packed query: 1 KB each). */
 #define ATTN_AMX_PIECES 16
 
 /* scores[h][0..n) = scale * q_h . K[p] for the heads [h0, h1) (whole kv
  * groups of G heads, G <= 16), K in bf16 blocks of block_size (a multiple of
  * 16) positions, D a multiple of 32. */
-ATTN_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_cache,
+BATON_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_cache,
                                        const int64_t *table, int64_t n, int64_t h0,
                                        int64_t h1, int64_t G, int64_t KVH, int64_t D,
                                        int64_t block_size, float scale, float *scores) {
@@ -484,7 +473,7 @@ ATTN_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_cac
             for (int64_t x = 0; x < per_group; x++)
                 for (int k = 0; k < 16; k++) qp[g * per_group + x][k][j] = qh[16 * x + k];
         }
-        attn_tile_config cfg;
+        baton_amx_config cfg;
         memset(&cfg, 0, sizeof(cfg));
         cfg.palette = 1;
         cfg.rows[0] = 16; cfg.colsb[0] = (uint16_t)(4 * N);   /* C: positions x heads */
@@ -526,7 +515,7 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
     const int64_t row = KVH * D;
     (void)qb;
 #if defined(__AVX512BF16__)
-#ifdef BATON_ATTN_AMX
+#ifdef BATON_AMX
     if (qb != NULL && bf16 && block_size % 16 == 0 && G <= 16 &&
         __atomic_load_n(&attention_amx_wanted, __ATOMIC_RELAXED) && baton_amx_bf16_ready()) {
         scores_amx(qb, (const uint16_t *)k_cache, table, n, h0, h1, G, KVH, D, block_size,
@@ -807,7 +796,7 @@ int baton_paged_decode_attention_qb(
 /* baton_attention_amx: mode 0 or 1 sets attention_amx_wanted (-1 leaves
  * it); answers whether scores now run on AMX tiles. */
 int baton_attention_amx(int mode) {
-#ifdef BATON_ATTN_AMX
+#ifdef BATON_AMX
     if (mode >= 0) __atomic_store_n(&attention_amx_wanted, mode ? 1 : 0, __ATOMIC_RELEASE);
     return __atomic_load_n(&attention_amx_wanted, __ATOMIC_ACQUIRE) && baton_amx_bf16_ready();
 #else
