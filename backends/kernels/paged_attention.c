@@ -18,10 +18,14 @@
  * path depends on the thread count. Within a build, scores path and thread
  * count the result is one function of the inputs (with or without lse).
  *
- * Software prefetch of the next blocks was measured (2026-12-01, one and
- * two blocks ahead, to L1 and to L2; again with the AMX scores, 1 to 8
- * pieces of sixteen positions ahead): no gain over the hardware prefetchers
- * on the 6 KB blocks here, so none is issued.
+ * The AVX-512 paths (their bf16 scores and their values) prefetch
+ * (prefetch_piece) the next sixteen positions' slots, a whole 6 KB block of
+ * SmolLM2's at blocks of 16, while they work on the current ones: K's
+ * blocks in turn, then V's first, then V's. The hardware prefetchers start
+ * afresh at every scattered block, and the arithmetic otherwise runs while
+ * few loads are in flight. Sessions 5 and 7 found no consistent gain from
+ * prefetching (one or two blocks ahead; per piece with the AMX scores);
+ * session 8 measured this one in docs/benchmarks.md ("Session 8 (attn)").
  *
  * Layouts (all contiguous):
  *   q, out            [T, H, D]
@@ -77,6 +81,21 @@ static inline void softmax_rows(float *scores, int64_t n, int64_t h0, int64_t h1
 }
 
 #ifdef BATON_AVX2
+/* Software prefetch (to L1) of the first min(16, n - p) positions' slots of
+ * the block holding position p (p a multiple of 16 and < n; blocks of
+ * block_size, slots of `bytes`): the kernels ask, while they work on one
+ * piece of sixteen positions, for the next piece of their walk, K's blocks
+ * and then V's first, so the scattered block's lines are in flight while
+ * the arithmetic runs (the hardware prefetchers start afresh at each
+ * block). */
+static inline void prefetch_piece(const void *cache, const int64_t *table, int64_t p,
+                                  int64_t n, int64_t block_size, int64_t bytes) {
+    const int64_t m = n - p < 16 ? n - p : 16;
+    const char *at = (const char *)cache +
+                     (table[p / block_size] * block_size + p % block_size) * bytes;
+    for (int64_t o = 0; o < m * bytes; o += 64) _mm_prefetch(at + o, _MM_HINT_T0);
+}
+
 /* Eight float32 values of a cache row, from float32 or bfloat16 storage. */
 static inline __m256 load8_f32(const void *base, int64_t i) {
     return _mm256_loadu_ps((const float *)base + i);
@@ -447,6 +466,7 @@ static inline void qk_block_dispatch(const uint16_t *qh, const uint16_t *k_cache
  * groups of G heads, G <= 16), K in bf16 blocks of block_size (a multiple of
  * 16) positions, D a multiple of 32. */
 BATON_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_cache,
+                                       const uint16_t *v_cache,
                                        const int64_t *table, int64_t n, int64_t h0,
                                        int64_t h1, int64_t G, int64_t KVH, int64_t D,
                                        int64_t block_size, float scale, float *scores) {
@@ -484,6 +504,11 @@ BATON_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_ca
             const int64_t slot = table[p0 / block_size] * block_size + p0 % block_size;
             const uint16_t *k0 = k_cache + slot * row + ga * D;
             const int64_t m = n - p0 < 16 ? n - p0 : 16;
+            /* the next piece of K, or after the last (of the last pass) V's first */
+            if (p0 + 16 < n)
+                prefetch_piece(k_cache, table, p0 + 16, n, block_size, row * 2);
+            else if (gb == h1 / G)
+                prefetch_piece(v_cache, table, 0, n, block_size, row * 2);
             _tile_zero(0);
             for (int64_t x = 0; x < pieces; x++) {
                 _tile_loadd(1, k0 + 32 * x, row * 2);
@@ -518,8 +543,8 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
 #ifdef BATON_AMX
     if (qb != NULL && bf16 && block_size % 16 == 0 && G <= 16 &&
         __atomic_load_n(&attention_amx_wanted, __ATOMIC_RELAXED) && baton_amx_bf16_ready()) {
-        scores_amx(qb, (const uint16_t *)k_cache, table, n, h0, h1, G, KVH, D, block_size,
-                   scale, scores);
+        scores_amx(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, n, h0, h1,
+                   G, KVH, D, block_size, scale, scores);
         softmax_rows(scores, n, h0, h1, lse);
     } else
 #endif
@@ -527,6 +552,10 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
         for (int64_t p0 = 0; p0 < n; p0 += block_size) {
             const int64_t base = table[p0 / block_size] * block_size * row;
             const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
+            if (p0 + block_size < n)
+                prefetch_piece(k_cache, table, p0 + block_size, n, block_size, row * 2);
+            else
+                prefetch_piece(v_cache, table, 0, n, block_size, row * 2);
             for (int64_t h = h0; h < h1; h++)
                 qk_block_dispatch(qb + h * D, (const uint16_t *)k_cache, base + (h / G) * D,
                                   row, m, D, scale, scores + h * n + p0);
@@ -541,6 +570,8 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
     for (int64_t p0 = 0; p0 < n; p0 += block_size) {
         const int64_t base = table[p0 / block_size] * block_size * row;
         const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
+        if (p0 + block_size < n)
+            prefetch_piece(v_cache, table, p0 + block_size, n, block_size, row * (bf16 ? 2 : 4));
         for (int64_t g = h0 / G; g < h1 / G; g++)
             for (int64_t hs = g * G; hs < (g + 1) * G; hs += most) {
                 const int64_t nh = (g + 1) * G - hs < most ? (g + 1) * G - hs : most;
