@@ -161,14 +161,44 @@ def test_bf16_weight_linear_gives_decode_batches_to_amx():
     assert Bf16WeightLinear(w.float(), b.float(), gemv, amx).amx is None
 
 
-def test_plan_gives_decode_batches_to_amx_only_where_it_runs():
-    """Native bf16 with AMX tiles available: decode batches above the gemv's
-    rows on the tile linear, the same numerics either way. Not without AMX
+def test_bf16_weight_linear_without_onednn_gives_every_row_to_amx():
+    """bf16-amx: no oneDNN copy, every row count (1 included) on the tile
+    linear, and a row's bits the same whichever batch it came in."""
+    from backends.linear import Bf16WeightLinear
+    amx = _Counting(_amx_or_skip())
+    gemv = _Counting(native.GemvBf16("avx512_bf16"))
+    gen = torch.Generator().manual_seed(22)
+    w = torch.randn(80, 600, generator=gen).to(torch.bfloat16)
+    b = torch.randn(80, generator=gen).to(torch.bfloat16)
+    layer = Bf16WeightLinear(w, b, gemv, amx, onednn=False)
+    assert layer.packed_weight is None and "every row" in repr(layer)
+    amx.enabled = False  # the decode-only switch does not apply here
+    x = torch.randn(300, 600, generator=gen).to(torch.bfloat16)
+    full = layer(x)
+    _close_to_rounded_reference(full, x, w, b)
+    for n in (1, 3, 5, 33, 129, 300):
+        assert torch.equal(layer(x[-n:]), full[-n:]), n
+    assert layer(x.view(3, 100, 600)).shape == (3, 100, 80)
+    assert gemv.rows == [] and amx.rows == [300, 1, 3, 5, 33, 129, 300, 300]
+    with pytest.raises(ValueError, match="AMX tile linear"):
+        Bf16WeightLinear(w, b, gemv, None, onednn=False)
+
+
+def test_plan_gives_every_bf16_row_to_amx_only_where_it_runs():
+    """Native bf16 with AMX tiles available: every row on the tile linear
+    (bf16-amx, no oneDNN copy), or with amx_prefill=False decode batches
+    above the gemv's rows, the same numerics either way. Not without AMX
     (the AVX512_BF16 EPYC kind), nor without the OS's leave (amx_tiles), nor
     when turned off, nor for float32 or the bf16-weights mode."""
     plan = make_plan("cpu", "bfloat16", "none", AMX, ALL)
-    assert plan.amx_linear_rows == AMX_LINEAR_ROWS
-    assert f"amx-tile linear <= {AMX_LINEAR_ROWS} rows" in plan.describe()
+    assert plan.amx_linear_rows and (plan.linear, plan.lm_head) == ("bf16-amx", "bf16-amx")
+    assert "amx-tile linear every row" in plan.describe()
+    decode_only = make_plan("cpu", "bfloat16", "none", AMX, ALL,
+                            ExecutionOptions(amx_prefill=False))
+    assert decode_only.amx_linear_rows == AMX_LINEAR_ROWS
+    assert f"amx-tile linear <= {AMX_LINEAR_ROWS} rows" in decode_only.describe()
+    assert (decode_only.linear, decode_only.lm_head) == ("bf16-gemv+onednn",) * 2
+    assert decode_only.whole_step_decode == plan.whole_step_decode == 4
     no_tiles = Availability(native_kernels=ALL.native_kernels, onednn_dtypes=ALL.onednn_dtypes)
     others = [make_plan("cpu", "bfloat16", "none", ZEN4, ALL),
               make_plan("cpu", "bfloat16", "none", AMX, no_tiles),
@@ -182,7 +212,7 @@ def test_plan_gives_decode_batches_to_amx_only_where_it_runs():
     assert [p.amx_linear_rows for p in others] == [0] * len(others)
     for p in others[:3]:
         assert (p.activation_dtype, p.weight_dtype, p.kv_dtype, p.linear) == (
-            plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, plan.linear)
+            plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, "bf16-gemv+onednn")
 
 
 def test_plan_names_amx_attention_scores_where_the_kernel_takes_them():
@@ -206,25 +236,26 @@ def test_plan_names_amx_attention_scores_where_the_kernel_takes_them():
     assert all("scores)" not in p.describe() for p in others)
 
 
-def _backend(path, amx: bool):
+def _backend(path, amx: bool, amx_prefill: bool = True):
     loaded = load_model(path, dtype=torch.bfloat16)
     return create_backend(loaded, BackendConfig(
         dtype="bfloat16", block_size=4, num_kv_blocks=80,
-        execution=ExecutionOptions(amx=amx)))
+        execution=ExecutionOptions(amx=amx, amx_prefill=amx_prefill)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_amx_decode_batches_agree_with_onednn(request, arch):
     """A native-bf16 backend whose decode batches of 5-8 rows run on the AMX
-    tile linear against the same plan on oneDNN: the same greedy tokens and
-    logprobs to bf16 precision (only the summation order differs). Prefill
-    rows never take it: a prompt's prefill keeps oneDNN's summation order
-    whether the prefix cache held 8 of its rows or 40 (the same greedy
-    request twice gave two answers when a cache hit moved its prefill
-    across the tile linear's row limit)."""
+    tile linear (amx_prefill=False) against the same plan on oneDNN: the
+    same greedy tokens and logprobs to bf16 precision (only the summation
+    order differs). Its prefill rows never take it: a prompt's prefill keeps
+    oneDNN's summation order (the same greedy request twice gave two answers
+    when a cache hit moved its prefill across the tile linear's row limit).
+    The default plan (bf16-amx) gives every row to the tile linear, prefill
+    rows included: the same tokens again."""
     _amx_or_skip()
     path = request.getfixturevalue(f"tiny_{arch}_dir")
-    fast, onednn = _backend(path, amx=True), _backend(path, amx=False)
+    fast, onednn = _backend(path, amx=True, amx_prefill=False), _backend(path, amx=False)
     assert fast.plan.amx_linear_rows == AMX_LINEAR_ROWS and onednn.plan.amx_linear_rows == 0
     counting = _Counting(fast.model.lm_head.amx)
     for module in [*fast.model.modules()]:
@@ -245,6 +276,16 @@ def test_amx_decode_batches_agree_with_onednn(request, arch):
     assert counting.rows == []
     assert ids_a == ids_b
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
+    every = _backend(path, amx=True)
+    assert every.plan.linear == "bf16-amx" and every.model.lm_head.packed_weight is None
+    counting = _Counting(every.model.lm_head.amx)
+    for module in [*every.model.modules()]:
+        if getattr(module, "amx", None) is not None:
+            module.amx = counting
+    ids_c, lp_c = _run(every, prompts, 8)
+    assert 37 in counting.rows  # the prefill step's prompt rows
+    assert ids_c == ids_b
+    torch.testing.assert_close(torch.tensor(lp_c), torch.tensor(lp_b), atol=0.01, rtol=0)
 
 
 def test_whole_step_decode_runs_amx_tiles_where_the_plan_has_them(tiny_llama_dir):
@@ -256,6 +297,7 @@ def test_whole_step_decode_runs_amx_tiles_where_the_plan_has_them(tiny_llama_dir
     _amx_or_skip()
     fast, plain = _backend(tiny_llama_dir, amx=True), _backend(tiny_llama_dir, amx=False)
     assert fast._whole_step.amx and not plain._whole_step.amx
+    assert _backend(tiny_llama_dir, amx=True, amx_prefill=False)._whole_step.amx
     assert not fast._native_decode("avx512").amx
     with pytest.raises(ValueError, match="bf16 weights and activations"):
         native.DecodeBf16("avx512_bf16", hidden=8, num_heads=1, num_kv_heads=1, head_dim=8,

@@ -378,9 +378,10 @@ class LinearAmx:
     amx_bf16.c) for bfloat16 rows, reading ``GemvBf16.tile(W)``: float32
     accumulation, the output rounded once to bf16 (as oneDNN's bf16 linear).
     ``max_rows``: the most rows the plan gives it (a decode batch).
-    ``enabled``: whether the linears holding it call it now; the backend
-    enables it for decode steps only, so that prefill rows keep one summation
-    order (oneDNN's) whatever the prefix cache left of their prompt."""
+    ``enabled``: whether the bf16-gemv+onednn linears holding it call it now;
+    the backend enables it for decode steps only, so that prefill rows keep
+    one summation order (oneDNN's; still not that of other row counts). The
+    bf16-amx linears call it for every row whatever ``enabled`` says."""
 
     def __init__(self, kind: str, max_rows: int) -> None:
         ok, reason = amx_ready(kind)
