@@ -100,6 +100,27 @@ def test_amx_linear_row_does_not_depend_on_the_batch(out_features, in_features):
             assert torch.equal(part, full[64 - m:]), m
 
 
+@pytest.mark.parametrize("rows,out_features,in_features", [(700, 40, 1537), (97, 33, 64)])
+def test_amx_linear_many_rows_give_each_row_the_few_row_bits(rows, out_features, in_features):
+    """Prefill chunks (more than 32 rows) take the many-row path: rows packed
+    in tile order, panels of rows (700 rows of 1537 columns span several);
+    each row's bits are still those of the few-row path (rows 16 at a time),
+    and within a bf16 step of the reference."""
+    amx = _amx_or_skip()
+    gen = torch.Generator().manual_seed(rows)
+    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x16 = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    b16 = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    tiled = native.GemvBf16.tile(w16)
+    for bias in (b16, None):
+        full = amx(x16, tiled, out_features, bias)
+        _close_to_rounded_reference(full, x16, w16, bias)
+        few = torch.cat([amx(x16[i:i + 16], tiled, out_features, bias)
+                         for i in range(0, rows, 16)])
+        assert torch.equal(full, few)
+        assert torch.equal(amx(x16[3:], tiled, out_features, bias), full[3:])
+
+
 def test_amx_linear_checks_its_inputs():
     amx = _amx_or_skip()
     w = native.GemvBf16.tile(torch.randn(40, 32).to(torch.bfloat16))

@@ -10,6 +10,10 @@
  * ms at 8 rows: at 32 rows it splits the rows over the threads, so both
  * threads read every weight. Here each thread streams its own share of the
  * output features once, for every row (docs/benchmarks.md has the figures).
+ * On AMX machines the plan gives it prefill rows too (linear bf16-amx: no
+ * oneDNN copy of the weights, and a row's bits independent of the row count,
+ * which keeps prefix-cache hits consistent): more than 32 rows take the
+ * many-row path below.
  *
  * Full-size tiles: a weight block (16 column pairs x 16 features x 2, 1 KB
  * contiguous) is the B operand as stored (16 rows x 64 bytes); sixteen input
@@ -172,10 +176,153 @@ BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t 
     _tile_release();
 }
 
+/* ---- Many rows (prefill chunks): more than BATON_AMX_MANY_ROWS ----------
+ * Bound by arithmetic, not by the weights: the rows are packed once into
+ * tile order (row block r, column block j: 16 rows x 32 columns, 1 KB
+ * contiguous), so an A tile is one contiguous kilobyte the prefetcher
+ * follows; each thread takes its contiguous run of feature-block pairs, as
+ * the few-row path does, and passes over it once per panel of rows small
+ * enough to stay in L2 (AMX_PANEL_BYTES of packed rows), reusing each pair
+ * of weight blocks from L1 for every row block of the panel. Panels of
+ * 256 KB measured ahead of 512 KB-1.5 MB at 2048 rows on the Xeon model 207
+ * (docs/benchmarks.md, session 8), though each panel reads the weights once
+ * more; the weight blocks are prefetched as in amx_groups. A C element is
+ * summed over the same column blocks in the same order, from zero, as in
+ * amx_groups, and rounded by store_block: a row's bits are those of the
+ * few-row path, whatever the number of rows. */
+#define BATON_AMX_MANY_ROWS 32
+#define AMX_PANEL_BYTES (256 * 1024)
+
+/* Rows [16 * r0, 16 * r1) of x [M][K] into xa in tile order (block (r, j)
+ * at xa + (r * kb + j) * 512), zero past row M and column K. */
+static void pack_row_blocks(const uint16_t *x, uint16_t *xa, int64_t M, int64_t K, int64_t kb,
+                            int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        for (int i = 0; i < 16; i++) {
+            const int64_t m = 16 * r + i;
+            const uint16_t *src = x + m * K;
+            for (int64_t j = 0; j < kb; j++) {
+                uint16_t *dst = xa + ((r * kb + j) * 16 + i) * 32;
+                const int64_t k0 = j * 32;
+                const int64_t n = m >= M ? 0 : (K - k0 < 32 ? K - k0 : 32);
+                if (n) memcpy(dst, src + k0, sizeof(uint16_t) * n);
+                if (n < 32) memset(dst + n, 0, sizeof(uint16_t) * (32 - n));
+            }
+        }
+    }
+}
+
+/* Feature blocks [g0, g1) for row blocks [r0, r1) of the packed rows xa:
+ * C[mi][gi] in tmm(2 * mi + gi), A in tmm 4 and 5, B in tmm 6 and 7, as in
+ * amx_groups. Results (bf16) into y. */
+BATON_AMX_TARGET static void amx_many_panel(const uint16_t *xa, int64_t kb, const uint16_t *w,
+                                            const float *bias, uint16_t *y, int64_t M,
+                                            int64_t N, int64_t g0, int64_t g1, int64_t r0,
+                                            int64_t r1) {
+    const int64_t wrow = BATON_GEMV_BLOCK * kb;  /* bf16 values per feature block */
+    float c[4][16][16];
+    for (int64_t g = g0; g < g1; g += 2) {
+        const int two = g + 1 < g1;
+        const uint16_t *w0 = w + g * wrow, *w1 = two ? w0 + wrow : w0;
+        for (int64_t r = r0; r < r1; r += 2) {
+            const int twom = r + 1 < r1;
+            const uint16_t *a0 = xa + r * kb * BATON_GEMV_BLOCK;
+            const uint16_t *a1 = twom ? a0 + kb * BATON_GEMV_BLOCK : a0;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t j = 0; j < kb; j++) {
+                const int64_t o = j * BATON_GEMV_BLOCK;
+                baton_prefetch_block(w0, j);
+                baton_prefetch_block(w1, j);
+                _tile_loadd(6, w0 + o, 64);
+                _tile_loadd(4, a0 + o, 64);
+                _tile_loadd(7, w1 + o, 64);
+                _tile_loadd(5, a1 + o, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+            for (int h = 0; h < 1 + twom; h++) {
+                const int64_t m0 = (r + h) * 16;
+                const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
+                if (mr <= 0) continue;
+                for (int q = 0; q < 1 + two; q++) {
+                    const int64_t n0 = (g + q) * 16;
+                    const int nr = (int)(N - n0 < 16 ? N - n0 : 16);
+                    if (nr > 0) store_block(&c[2 * h + q][0][0], bias, y, 0, N, n0, m0, nr, mr);
+                }
+            }
+        }
+    }
+}
+
+/* One thread's feature blocks [g0, g1) for every row block, panel by panel. */
+BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, const uint16_t *w,
+                                             const float *bias, uint16_t *y, int64_t M,
+                                             int64_t N, int64_t g0, int64_t g1,
+                                             int64_t rblocks, int64_t panel) {
+    baton_amx_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    for (int64_t r0 = 0; r0 < rblocks; r0 += panel)
+        amx_many_panel(xa, kb, w, bias, y, M, N, g0, g1, r0,
+                       r0 + panel < rblocks ? r0 + panel : rblocks);
+    _tile_release();
+}
+
+static int amx_linear_many(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                           uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t kb = baton_round_up(K, BATON_GEMV_TILE_COLS) / BATON_GEMV_TILE_COLS;
+    const int64_t rblocks = baton_round_up(M, 16) / 16;
+    const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
+    /* row blocks per panel: an even number, at least two */
+    int64_t panel = AMX_PANEL_BYTES / (kb * BATON_GEMV_BLOCK * 2);
+    panel = panel < 2 ? 2 : panel;
+    /* as many panels as that takes, of even, nearly equal sizes */
+    const int64_t npanels = (rblocks + panel - 1) / panel;
+    panel = (rblocks + npanels - 1) / npanels;
+    panel += panel & 1;
+    uint16_t *xa = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * rblocks * kb * BATON_GEMV_BLOCK);
+    float *bf = (float *)malloc(sizeof(float) * (N + 1));
+    if (xa == NULL || bf == NULL) {
+        free(xa);
+        free(bf);
+        return 2;
+    }
+    if (bias) baton_load_bf16(bias, bf, N);
+    const int64_t pairs = (groups + 1) / 2;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+        pack_row_blocks(x, xa, M, K, kb, rblocks * me / nt, rblocks * (me + 1) / nt);
+        const int64_t p0 = pairs * me / nt, p1 = pairs * (me + 1) / nt;
+        const int64_t g1 = 2 * p1 < groups ? 2 * p1 : groups;
+        #pragma omp barrier
+        if (2 * p0 < g1)
+            amx_many_thread(xa, kb, w, bias ? bf : 0, y, M, N, 2 * p0, g1, rblocks, panel);
+    }
+    free(xa);
+    free(bf);
+    return 0;
+}
+
 int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                           uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1) return 1;
     if (!baton_amx_bf16_ready()) return 3;
+    if (M > BATON_AMX_MANY_ROWS) return amx_linear_many(x, w, bias, y, M, N, K, num_threads);
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     const int64_t mp = baton_round_up(M, 16);
     const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
