@@ -317,13 +317,15 @@ static inline __m512 load16(const void *base, int64_t i, const int bf16) {
     return _mm512_loadu_ps((const float *)base + i);
 }
 
-/* acc[h][0..16*DV) += w[h][i] * V[i] for the NH heads (rows h * D of acc,
- * h * n of w) and the m slots at v_cache + at + i * row. With a bf16 cache
+/* acc[h][0..16*DV) += w[h * wh + i * wp] * V[i] for the NH heads (rows
+ * h * D of acc) and the m slots at v_cache + at + i * row: the weights
+ * head-major (wh = n, wp = 1) or position-major (wh = 1, wp = the row of
+ * all heads' weights of one position, scores_amx's). With a bf16 cache
  * each 32 values of acc hold V's even elements, then its odd ones
  * (deinterleave_pairs puts them back in order). */
 static inline __attribute__((always_inline)) void pv_block(
-        const void *v_cache, int64_t at, int64_t row, int64_t m, const float *w, int64_t n,
-        float *acc, int64_t D, const int NH, const int DV, const int bf16) {
+        const void *v_cache, int64_t at, int64_t row, int64_t m, const float *w, int64_t wh,
+        int64_t wp, float *acc, int64_t D, const int NH, const int DV, const int bf16) {
     __m512 a[BATON_PV_REGS];
     #pragma GCC unroll 24
     for (int h = 0; h < NH; h++)
@@ -349,7 +351,7 @@ static inline __attribute__((always_inline)) void pv_block(
         }
         #pragma GCC unroll 24
         for (int h = 0; h < NH; h++) {
-            const __m512 wv = _mm512_set1_ps(w[h * n + i]);
+            const __m512 wv = _mm512_set1_ps(w[h * wh + i * wp]);
             #pragma GCC unroll 8
             for (int x = 0; x < DV; x++) a[h * DV + x] = _mm512_fmadd_ps(wv, v[x], a[h * DV + x]);
         }
@@ -361,21 +363,21 @@ static inline __attribute__((always_inline)) void pv_block(
 }
 
 #define BATON_PV_CASE(NH_, DV_) \
-    case NH_: pv_block(v_cache, at, row, m, w, n, acc, D, NH_, DV_, bf16); break;
+    case NH_: pv_block(v_cache, at, row, m, w, wh, wp, acc, D, NH_, DV_, bf16); break;
 /* NH <= BATON_PV_REGS / DV, as pv_heads chunks them. */
 static inline void pv_dispatch(const void *v_cache, int64_t at, int64_t row, int64_t m,
-                               const float *w, int64_t n, float *acc, int64_t D, int NH,
-                               const int bf16) {
+                               const float *w, int64_t wh, int64_t wp, float *acc, int64_t D,
+                               int NH, const int bf16) {
     switch (D / 16) {
     case 2: switch (NH) { BATON_PV_CASE(1, 2) BATON_PV_CASE(2, 2) BATON_PV_CASE(3, 2)
         BATON_PV_CASE(4, 2) BATON_PV_CASE(5, 2) BATON_PV_CASE(6, 2) BATON_PV_CASE(7, 2)
         BATON_PV_CASE(8, 2) BATON_PV_CASE(9, 2) BATON_PV_CASE(10, 2) BATON_PV_CASE(11, 2)
-        default: pv_block(v_cache, at, row, m, w, n, acc, D, 12, 2, bf16); } break;
+        default: pv_block(v_cache, at, row, m, w, wh, wp, acc, D, 12, 2, bf16); } break;
     case 4: switch (NH) { BATON_PV_CASE(1, 4) BATON_PV_CASE(2, 4) BATON_PV_CASE(3, 4)
         BATON_PV_CASE(4, 4) BATON_PV_CASE(5, 4)
-        default: pv_block(v_cache, at, row, m, w, n, acc, D, 6, 4, bf16); } break;
+        default: pv_block(v_cache, at, row, m, w, wh, wp, acc, D, 6, 4, bf16); } break;
     case 8: switch (NH) { BATON_PV_CASE(1, 8) BATON_PV_CASE(2, 8)
-        default: pv_block(v_cache, at, row, m, w, n, acc, D, 3, 8, bf16); } break;
+        default: pv_block(v_cache, at, row, m, w, wh, wp, acc, D, 3, 8, bf16); } break;
     }
 }
 #undef BATON_PV_CASE
@@ -457,29 +459,28 @@ static inline void qk_block_dispatch(const uint16_t *qh, const uint16_t *k_cache
  * the A operand; the query heads of up to sixteen heads' worth of kv groups,
  * packed once per task as bf16 pairs (zero where a head's kv head is not the
  * one that piece of the slot holds), are B; C holds the sixteen positions'
- * scores of every head, no horizontal sums. The products are exact in
- * float32 and summed in float32 as VDPBF16PS does (another order). */
+ * scores of every head, no horizontal sums, and is stored as it is into a
+ * position-major scores array (softmax_cols and the values read it so: no
+ * transposition). The products are exact in float32 and summed in float32
+ * as VDPBF16PS does (another order). */
 /* Pieces of 32 dims a tile pass takes at most (the packed query: 1 KB each). */
 #define ATTN_AMX_PIECES 16
 
-/* scores[h][0..n) = scale * q_h . K[p] for the heads [h0, h1) (whole kv
- * groups of G heads, G <= 16), K in bf16 blocks of block_size (a multiple of
- * 16) positions, D a multiple of 32. */
+/* scores[p * W + h - h0] = q_h . K[p] (unscaled) for the heads [h0, h1)
+ * (whole kv groups of G heads, G <= 16) and p < round_up(n, 16) (rows
+ * from n on: whatever the rest of the last block holds, never read), K in
+ * bf16 blocks of block_size (a multiple of 16) positions, D a multiple of
+ * 32, W = round_up(h1 - h0, 16). */
 BATON_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_cache,
                                        const uint16_t *v_cache,
                                        const int64_t *table, int64_t n, int64_t h0,
                                        int64_t h1, int64_t G, int64_t KVH, int64_t D,
-                                       int64_t block_size, float scale, float *scores) {
-    const int64_t row = KVH * D, per_group = D / 32;
+                                       int64_t block_size, float *scores) {
+    const int64_t row = KVH * D, per_group = D / 32, W = (h1 - h0 + 15) / 16 * 16;
     /* kv groups per tile pass: at most 16 heads and ATTN_AMX_PIECES pieces */
     int64_t groups = 16 / G;
     if (groups * per_group > ATTN_AMX_PIECES) groups = ATTN_AMX_PIECES / per_group;
     uint32_t qp[ATTN_AMX_PIECES][16][16] __attribute__((aligned(64)));
-    float c[16][16] __attribute__((aligned(64)));
-    const __m512i column = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(16));
-    const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t ga = h0 / G; ga < h1 / G; ga += groups) {
         const int64_t gb = ga + groups < h1 / G ? ga + groups : h1 / G;
         const int64_t N = (gb - ga) * G, pieces = (gb - ga) * per_group;
@@ -503,7 +504,6 @@ BATON_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_ca
         for (int64_t p0 = 0; p0 < n; p0 += 16) {
             const int64_t slot = table[p0 / block_size] * block_size + p0 % block_size;
             const uint16_t *k0 = k_cache + slot * row + ga * D;
-            const int64_t m = n - p0 < 16 ? n - p0 : 16;
             /* the next piece of K, or after the last (of the last pass) V's first */
             if (p0 + 16 < n)
                 prefetch_piece(k_cache, table, p0 + 16, n, block_size, row * 2);
@@ -515,15 +515,57 @@ BATON_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_ca
                 _tile_loadd(2, qp[x], 64);
                 _tile_dpbf16ps(0, 1, 2);
             }
-            _tile_stored(0, c, 64);
-            const __mmask16 keep = (__mmask16)((1u << m) - 1u);
-            for (int64_t j = 0; j < N; j++) {
-                const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, column,
-                                                          &c[0][j], 4);
-                _mm512_mask_storeu_ps(scores + (hs + j) * n + p0, keep, _mm512_mul_ps(v, sv));
-            }
+            _tile_stored(0, scores + p0 * W + (hs - h0), W * 4);
         }
         _tile_release();
+    }
+}
+
+/* scores_amx's position-major scores (rows of W, p < n; W a multiple of 16)
+ * -> exp(scale * s - scale * max over p), in place, unnormalized, in the
+ * columns c < nh (the rest, never written by scores_amx, read as zeros); for
+ * each: inv[c] = 1 / its sum, and with lse, lse[c] = log(sum of
+ * exp(scale * s)). The values are divided by the sum once, at the end
+ * (attention_task_avx512): no pass over the weights for it. */
+static void softmax_cols(float *S, int64_t n, int64_t W, int64_t nh, float scale, float *inv,
+                         float *lse) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t c = 0; c < W; c += 16) {
+        const __mmask16 k = nh - c >= 16 ? (__mmask16)0xffff
+                                         : (__mmask16)((1u << (nh - c > 0 ? nh - c : 0)) - 1u);
+        float *col = S + c;
+        __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+        int64_t p = 0;
+        for (; p + 2 <= n; p += 2) {
+            m0 = _mm512_max_ps(m0, _mm512_maskz_loadu_ps(k, col + p * W));
+            m1 = _mm512_max_ps(m1, _mm512_maskz_loadu_ps(k, col + (p + 1) * W));
+        }
+        if (p < n) m0 = _mm512_max_ps(m0, _mm512_maskz_loadu_ps(k, col + p * W));
+        const __m512 shift = _mm512_mul_ps(_mm512_max_ps(m0, m1), sv);
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+        for (p = 0; p + 2 <= n; p += 2) {
+            const __m512 e0 = baton_exp512(
+                _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, col + p * W), sv, shift));
+            const __m512 e1 = baton_exp512(
+                _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, col + (p + 1) * W), sv, shift));
+            _mm512_mask_storeu_ps(col + p * W, k, e0);
+            _mm512_mask_storeu_ps(col + (p + 1) * W, k, e1);
+            s0 = _mm512_add_ps(s0, e0);
+            s1 = _mm512_add_ps(s1, e1);
+        }
+        if (p < n) {
+            const __m512 e0 = baton_exp512(
+                _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, col + p * W), sv, shift));
+            _mm512_mask_storeu_ps(col + p * W, k, e0);
+            s0 = _mm512_add_ps(s0, e0);
+        }
+        float sum[16], sh[16];
+        _mm512_storeu_ps(sum, _mm512_add_ps(s0, s1));
+        _mm512_storeu_ps(sh, shift);
+        for (int64_t j = 0; j < 16 && c + j < nh; j++) {
+            inv[c + j] = 1.0f / sum[j];
+            if (lse != NULL) lse[c + j] = sh[j] + logf(sum[j]);
+        }
     }
 }
 #endif
@@ -538,14 +580,22 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
                                   int64_t block_size, float scale, float *scores, float *acc,
                                   float *lse, const int bf16) {
     const int64_t row = KVH * D;
+    /* the weights' layout: head-major scores[h * n + p] (wh = n, wp = 1), or
+     * scores_amx's position-major rows of W (w0: the first head's column) */
+    int64_t wh = n, wp = 1, w0 = h0 * n;
+    float *inv = NULL;
     (void)qb;
 #if defined(__AVX512BF16__)
 #ifdef BATON_AMX
+    float inv_heads[h1 - h0];
     if (qb != NULL && bf16 && block_size % 16 == 0 && G <= 16 &&
         __atomic_load_n(&attention_amx_wanted, __ATOMIC_RELAXED) && baton_amx_bf16_ready()) {
+        const int64_t W = (h1 - h0 + 15) / 16 * 16;
         scores_amx(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, n, h0, h1,
-                   G, KVH, D, block_size, scale, scores);
-        softmax_rows(scores, n, h0, h1, lse);
+                   G, KVH, D, block_size, scores);
+        inv = inv_heads;
+        softmax_cols(scores, n, W, h1 - h0, scale, inv, lse == NULL ? NULL : lse + h0);
+        wh = 1, wp = W, w0 = 0;
     } else
 #endif
     if (qb != NULL && bf16 && (D == 32 || D == 64 || D == 128) && block_size <= 16) {
@@ -575,10 +625,17 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
         for (int64_t g = h0 / G; g < h1 / G; g++)
             for (int64_t hs = g * G; hs < (g + 1) * G; hs += most) {
                 const int64_t nh = (g + 1) * G - hs < most ? (g + 1) * G - hs : most;
-                pv_dispatch(v_cache, base + g * D, row, m, scores + hs * n + p0, n,
-                            acc + hs * D, D, (int)nh, bf16);
+                pv_dispatch(v_cache, base + g * D, row, m,
+                            scores + w0 + (hs - h0) * wh + p0 * wp, wh, wp, acc + hs * D, D,
+                            (int)nh, bf16);
             }
     }
+    if (inv != NULL)
+        for (int64_t h = h0; h < h1; h++) {
+            const __m512 s = _mm512_set1_ps(inv[h - h0]);
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(acc + h * D + d, _mm512_mul_ps(s, _mm512_loadu_ps(acc + h * D + d)));
+        }
     if (bf16) deinterleave_pairs(acc + h0 * D, h1 - h0, D);
 }
 #endif
@@ -692,6 +749,14 @@ int baton_paged_decode_attention_f32(
                                            block_size, max_ctx, scale, num_threads);
 }
 
+/* Floats of a task's scores buffer for H heads and up to ctx positions:
+ * head-major H x ctx, or scores_amx's position-major rows of
+ * round_up(heads, 16) over round_up(ctx, 16) positions. */
+static int64_t scores_floats(int64_t H, int64_t ctx) {
+    if (ctx < 1) ctx = 1;
+    return (H + 15) / 16 * 16 * ((ctx + 15) / 16 * 16);
+}
+
 /* Context chunks of at least this many positions, when few rows split
  * their contexts across the threads. */
 #define BATON_MIN_CHUNK 128
@@ -750,7 +815,7 @@ static int split_context(const float *q, const uint16_t *qb, const void *k_cache
 
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * H * chunk_len);
+        float *scores = (float *)malloc(sizeof(float) * scores_floats(H, chunk_len));
         float *acc = (float *)malloc(sizeof(float) * H * D);
         if (scores == NULL || acc == NULL) {
             #pragma omp atomic write
@@ -804,7 +869,7 @@ int baton_paged_decode_attention_qb(
 
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * H * (max_ctx > 0 ? max_ctx : 1));
+        float *scores = (float *)malloc(sizeof(float) * scores_floats(H, max_ctx));
         float *acc = (float *)malloc(sizeof(float) * H * D);
         if (scores == NULL || acc == NULL) {
             #pragma omp atomic write
