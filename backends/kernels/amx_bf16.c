@@ -85,6 +85,35 @@ BATON_AMX_TARGET static void store_block(const float *c, const float *bias, uint
     }
 }
 
+/* The weight stream of a pair of feature blocks at 17-32 rows (two row
+ * blocks: four TDPBF16PS per 2 KB of weights): w0's and w1's (= w0 + wrow)
+ * block q, each kb blocks of 1 KB, asked for ahead of its use with `hint`;
+ * past the pair's end (q >= kb), the next pair's blocks q - kb, which this
+ * thread reads next (a prefetch past the weights' end is harmless). Blocks
+ * AMX_PF_L2_AHEAD ahead go to L2 and AMX_PF_L1_AHEAD ahead to L1. At 24-32
+ * rows that took 2-13% less time (minima of 8-10 interleaved runs, two
+ * holds, Xeon model 207) than the gemv's two blocks ahead into L1
+ * (baton_prefetch_block, which also runs from w0 into w1 rather than into
+ * the next pair); at <= 16 rows it was no better, and those keep
+ * baton_prefetch_block (session 8, docs/benchmarks.md). */
+#define AMX_PF_L2_AHEAD 8
+#define AMX_PF_L1_AHEAD 1
+BATON_AMX_TARGET static inline void prefetch_pair(const uint16_t *w0, int64_t wrow, int64_t kb,
+                                                  int64_t q, int hint) {
+    const char *p = (const char *)(q < kb ? w0 + q * BATON_GEMV_BLOCK
+                                          : w0 + 2 * wrow + (q - kb) * BATON_GEMV_BLOCK);
+    const char *r = p + 2 * wrow;  /* bytes: the other block of the pair */
+    for (int l = 0; l < BATON_GEMV_BLOCK * 2; l += 64) {
+        if (hint == _MM_HINT_T1) {
+            _mm_prefetch(p + l, _MM_HINT_T1);
+            _mm_prefetch(r + l, _MM_HINT_T1);
+        } else {
+            _mm_prefetch(p + l, _MM_HINT_T0);
+            _mm_prefetch(r + l, _MM_HINT_T0);
+        }
+    }
+}
+
 /* Feature blocks [g0, g1) for every row block of xp [mp][kp] (bf16,
  * zero-padded to kp columns; mp a multiple of 16, or mp = M < 16 rows
  * exactly: the A and C tiles then hold M rows): C[mi][gi] in tmm(2 * mi +
@@ -118,8 +147,8 @@ BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t 
             _tile_zero(3);
             if (two && twom) {
                 for (int64_t j = 0; j < kb; j++) {
-                    baton_prefetch_block(w0, j);
-                    baton_prefetch_block(w1, j);
+                    prefetch_pair(w0, wrow, kb, j + AMX_PF_L2_AHEAD, _MM_HINT_T1);
+                    prefetch_pair(w0, wrow, kb, j + AMX_PF_L1_AHEAD, _MM_HINT_T0);
                     _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
                     _tile_loadd(4, x0 + j * 32, xstride);
                     _tile_loadd(7, w1 + j * BATON_GEMV_BLOCK, 64);
