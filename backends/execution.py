@@ -20,9 +20,10 @@ A CPU *kind* names what the hand-written kernels may use: ``portable``
 ``avx512_bf16`` (plus AVX512_BF16: native bfloat16 arithmetic). AMX is not a
 kind: oneDNN uses it for bfloat16 matmuls when present, and the avx512_bf16
 build has an AMX tile linear (``amx_linear_rows``) that the plan takes where
-the CPU and the OS allow tile data: for every bf16 row there (linear
-``bf16-amx``: one copy of the weights, and a row's result independent of the
-rows beside it, so a prefix-cache hit computes what a cold prefill does). A lower kind can be
+the CPU and the OS allow tile data: for every bf16 call of up to
+``AMX_PREFILL_ROWS`` rows there (linear ``bf16-amx+onednn``: a row's result
+independent of the rows beside it, so a prefix-cache hit computes what a
+cold prefill does), oneDNN for larger calls (a burst's prefill-only step). A lower kind can be
 forced (``ExecutionOptions.cpu_kind``) to run and test its path on a CPU that
 could do more; a kind the CPU cannot run is refused.
 
@@ -50,8 +51,13 @@ INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # gemv's few with ExecutionOptions(amx_prefill=False): a decode batch.
 # Measured against oneDNN's bf16 linear on a model's worth of streamed
 # weights (docs/benchmarks.md): ahead at 8-32 rows, even at 64. By default
-# (linear bf16-amx) it takes every row, prefill chunks included.
+# (linear bf16-amx+onednn) it takes every call of up to AMX_PREFILL_ROWS
+# rows, prefill chunks included: level with oneDNN or ahead up to 512 rows
+# (prefill steps of 512 tokens ~12% faster), ~1.3x behind it at 2048 (a
+# burst's prefill-only step; docs/benchmarks.md, session 8), so oneDNN keeps
+# those, and its packed copy of the weights stays.
 AMX_LINEAR_ROWS = 32
+AMX_PREFILL_ROWS = 512
 
 
 class ExecutionError(ModelLoadError):
@@ -175,8 +181,8 @@ class ExecutionPlan:
     kv_dtype: str
     cpu: str | None                  # the CPU kind the plan targets (None on CUDA)
     quantization: str
-    linear: str                      # torch | onednn | bf16-gemv+onednn | bf16-amx | onednn-f32-copy | int8 | int4 | gguf
-    lm_head: str                     # torch | onednn | bf16-gemv+onednn | bf16-amx | bf16-gemv+torch
+    linear: str                      # torch | onednn | bf16-gemv+onednn | bf16-amx+onednn | onednn-f32-copy | int8 | int4 | gguf
+    lm_head: str                     # torch | onednn | bf16-gemv+onednn | bf16-amx+onednn | bf16-gemv+torch
     kernels: str | None              # the native kernels' kind, None for the torch ops
     norm: str                        # native | torch
     rope_kv_store: str               # native | torch
@@ -193,8 +199,8 @@ class ExecutionPlan:
     greedy_pick: str = "torch"
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
-    # Max rows of the AMX tile linear above the gemv's (bf16-gemv+onednn), or
-    # nonzero for every row (bf16-amx); 0 off.
+    # Max rows of the AMX tile linear: above the gemv's (bf16-gemv+onednn),
+    # or from one row (bf16-amx+onednn); 0 off.
     amx_linear_rows: int = 0
     # The native decode attention's bf16 scores (bf16 query and KV): "amx"
     # (TDPBF16PS tiles, where the avx512_bf16 kernels run and AMX tile data
@@ -247,8 +253,8 @@ class ExecutionPlan:
             parts.append(f"whole-step decode <= {self.whole_step_decode} rows"
                          + (" of int4 panels" if self.whole_step_weights == "int4" else ""))
         if self.amx_linear_rows:
-            parts.append("amx-tile linear every row" if self.linear == "bf16-amx"
-                         else f"amx-tile linear <= {self.amx_linear_rows} rows")
+            parts.append(f"amx-tile linear <= {self.amx_linear_rows} rows"
+                         + (" (from 1 row)" if self.linear == "bf16-amx+onednn" else ""))
         if self.quantization != "none":
             formats = f" ({'+'.join(self.weight_formats)})" if self.weight_formats else ""
             parts.insert(1, f"quantization {self.quantization}{formats}")
@@ -405,13 +411,16 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     amx_rows = (AMX_LINEAR_ROWS if whole_step and activation == "bfloat16" and cpu.amx_bf16
                 and kernels == "avx512_bf16" and available.amx_tiles and options.amx
                 and whole_weights == "bf16" else 0)
-    # On AMX the tile linear takes prefill rows too, off the same tiles: no
-    # oneDNN copy of the weights, and a row's bits never depend on how many
-    # rows share its call (oneDNN's bf16 linear sums a row in another order
-    # at other row counts; the gemv's order is its own), so a prefix-cache
-    # hit that recomputes a prompt's tail computes what the cold prefill did.
+    # On AMX the tile linear takes prefill chunks too (up to
+    # AMX_PREFILL_ROWS rows a call), off the same tiles, and the gemv's few
+    # rows: a row's bits then never depend on how many rows share its call
+    # (oneDNN's bf16 linear sums a row in another order at other row counts;
+    # the gemv's order is its own), so a prefix-cache hit that recomputes a
+    # prompt's tail computes what the cold prefill did, wherever the cold
+    # prefill's step held up to AMX_PREFILL_ROWS tokens.
     if amx_rows and options.amx_prefill:
-        linear = lm_head = "bf16-amx"
+        linear = lm_head = "bf16-amx+onednn"
+        amx_rows = AMX_PREFILL_ROWS
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
                      + (" (no whole-step decode)" if whole_step else ""))

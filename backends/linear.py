@@ -104,37 +104,36 @@ class Bf16WeightLinear(nn.Module):
     decode (backends/kernels/decode_bf16.c) streams, and, given ``amx`` (bf16
     weights on a CPU with AMX tiles), what the AMX tile linear multiplies for
     batches up to ``amx.max_rows`` (decode steps); larger ones take oneDNN.
-    With ``onednn=False`` (linear ``bf16-amx``; ``amx`` required) the AMX
-    tile linear takes every row and there is no oneDNN copy: one copy of the
-    weights, and each row's bits independent of the rows beside it.
+    With ``every_row`` (linear ``bf16-amx+onednn``; ``amx`` required) the
+    AMX tile linear takes every batch of 1 to ``amx.max_rows`` rows, prefill
+    or decode, and oneDNN only larger ones: each row's bits independent of
+    the rows beside it within that range.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv,
-                 amx=None, onednn: bool = True) -> None:
+                 amx=None, every_row: bool = False) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.gemv = gemv
         self.amx = amx if weight.dtype == torch.bfloat16 else None
-        if not onednn and self.amx is None:
-            raise ValueError("a Bf16WeightLinear without oneDNN needs bf16 weights and the "
+        if every_row and self.amx is None:
+            raise ValueError("a Bf16WeightLinear with every_row needs bf16 weights and the "
                              "AMX tile linear")
+        self.every_row = every_row
         act = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
         w16 = weight.detach().to(torch.bfloat16)
         # The gemv kernel's tiled layout (rows padded to 16, columns to 32).
         self.register_buffer("weight_tiled", gemv.tile(w16), persistent=False)
-        self.register_buffer("packed_weight", _reorder(w16.to(act)) if onednn else None,
-                             persistent=False)
+        self.register_buffer("packed_weight", _reorder(w16.to(act)), persistent=False)
         b = None if bias is None else bias.detach().to(torch.bfloat16).to(act).contiguous()
         self.register_buffer("bias", b, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 0:  # a step that samples no row
             return x.new_empty(0, self.out_features)
-        if self.packed_weight is None:  # bf16-amx: every row on the tiles
-            y = self.amx(x.reshape(-1, self.in_features), self.weight_tiled,
-                         self.out_features, self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
+        if self.every_row and x.dim() == 2 and x.shape[0] <= self.amx.max_rows:
+            return self.amx(x, self.weight_tiled, self.out_features, self.bias)
         if x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
             return self.gemv(x, self.weight_tiled, self.out_features, self.bias)
         if (self.amx is not None and self.amx.enabled and x.dim() == 2
@@ -144,10 +143,9 @@ class Bf16WeightLinear(nn.Module):
                                                   "none", [], "")
 
     def extra_repr(self) -> str:
-        act = torch.bfloat16 if self.packed_weight is None else self.packed_weight.dtype
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bfloat16 weights, {act} activations"
-                + (", every row on the AMX tiles" if self.packed_weight is None else ""))
+                f"bfloat16 weights, {self.packed_weight.dtype} activations"
+                + (f", 1-{self.amx.max_rows} rows on the AMX tiles" if self.every_row else ""))
 
 
 def bf16_weights_linears(model: nn.Module, gemv) -> int:
@@ -190,8 +188,9 @@ def swap_linears(model: nn.Module, plan) -> int:
     (backends/execution.py): ``onednn`` / ``onednn-f32-copy`` PackedLinear,
     ``bf16-gemv+onednn`` Bf16WeightLinear (float32 weights of bf16 values, or
     bf16 weights: the model's activation dtype; with ``amx_linear_rows`` its
-    decode batches on the AMX tile linear), ``bf16-amx`` Bf16WeightLinear
-    with every row on the AMX tile linear and no oneDNN copy; ``torch`` and the quantized
+    decode batches on the AMX tile linear), ``bf16-amx+onednn`` the same
+    with every call of up to ``amx_linear_rows`` rows on the AMX tile linear
+    (prefill chunks too), oneDNN above; ``torch`` and the quantized
     kinds keep what loading put there. Returns how many layer linears
     changed."""
     make = None
@@ -201,21 +200,21 @@ def swap_linears(model: nn.Module, plan) -> int:
         amx = LinearAmx(plan.kernels, plan.amx_linear_rows)
     if plan.linear in ("onednn", "onednn-f32-copy"):
         make = PackedLinear
-    elif plan.linear in ("bf16-gemv+onednn", "bf16-amx"):
+    elif plan.linear in ("bf16-gemv+onednn", "bf16-amx+onednn"):
         from backends.kernels import GemvBf16
         gemv = GemvBf16(plan.kernels)
-        onednn = plan.linear != "bf16-amx"
-        make = lambda w, b: Bf16WeightLinear(w, b, gemv, amx, onednn)  # noqa: E731
+        every = plan.linear == "bf16-amx+onednn"
+        make = lambda w, b: Bf16WeightLinear(w, b, gemv, amx, every)  # noqa: E731
     replaced = _replace_linears(model.layers, make) if make is not None else 0
     if type(model.lm_head) is nn.Linear and plan.lm_head != "torch":
         if plan.lm_head == "bf16-gemv+torch":
             from backends.kernels import GemvBf16
             model.lm_head = TiledHeadLinear(model.lm_head.weight, GemvBf16(plan.kernels))
-        elif plan.lm_head in ("bf16-gemv+onednn", "bf16-amx"):
+        elif plan.lm_head in ("bf16-gemv+onednn", "bf16-amx+onednn"):
             from backends.kernels import GemvBf16
             model.lm_head = Bf16WeightLinear(model.lm_head.weight, None,
                                              GemvBf16(plan.kernels), amx,
-                                             onednn=plan.lm_head != "bf16-amx")
+                                             every_row=plan.lm_head == "bf16-amx+onednn")
         else:
             model.lm_head = PackedLinear(model.lm_head.weight, None)
     return replaced

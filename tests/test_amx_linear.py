@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from backends import kernels as native
-from backends.execution import (AMX_LINEAR_ROWS, CPU_KINDS, Availability, CpuFeatures,
-                                ExecutionOptions, make_plan)
+from backends.execution import (AMX_LINEAR_ROWS, AMX_PREFILL_ROWS, CPU_KINDS, Availability,
+                                CpuFeatures, ExecutionOptions, make_plan)
 from backends.factory import BackendConfig, create_backend
 from backends.loader import load_model
 
@@ -182,38 +182,43 @@ def test_bf16_weight_linear_gives_decode_batches_to_amx():
     assert Bf16WeightLinear(w.float(), b.float(), gemv, amx).amx is None
 
 
-def test_bf16_weight_linear_without_onednn_gives_every_row_to_amx():
-    """bf16-amx: no oneDNN copy, every row count (1 included) on the tile
-    linear, and a row's bits the same whichever batch it came in."""
+def test_bf16_weight_linear_every_row_gives_batches_up_to_max_rows_to_amx():
+    """bf16-amx+onednn: every batch of 1 to max_rows rows (the gemv's few and
+    prefill chunks alike) on the tile linear, whatever the decode-only switch
+    says; a row's bits the same whichever such batch it came in; oneDNN
+    above max_rows."""
     from backends.linear import Bf16WeightLinear
     amx = _Counting(_amx_or_skip())
+    amx.max_rows = 300
     gemv = _Counting(native.GemvBf16("avx512_bf16"))
     gen = torch.Generator().manual_seed(22)
     w = torch.randn(80, 600, generator=gen).to(torch.bfloat16)
     b = torch.randn(80, generator=gen).to(torch.bfloat16)
-    layer = Bf16WeightLinear(w, b, gemv, amx, onednn=False)
-    assert layer.packed_weight is None and "every row" in repr(layer)
+    layer = Bf16WeightLinear(w, b, gemv, amx, every_row=True)
+    assert "1-300 rows on the AMX tiles" in repr(layer)
     amx.enabled = False  # the decode-only switch does not apply here
-    x = torch.randn(300, 600, generator=gen).to(torch.bfloat16)
-    full = layer(x)
-    _close_to_rounded_reference(full, x, w, b)
-    for n in (1, 3, 5, 33, 129, 300):
+    x = torch.randn(301, 600, generator=gen).to(torch.bfloat16)
+    full = layer(x[1:])
+    _close_to_rounded_reference(full, x[1:], w, b)
+    for n in (1, 3, 5, 33, 129):
         assert torch.equal(layer(x[-n:]), full[-n:]), n
-    assert layer(x.view(3, 100, 600)).shape == (3, 100, 80)
-    assert gemv.rows == [] and amx.rows == [300, 1, 3, 5, 33, 129, 300, 300]
+    _close_to_rounded_reference(layer(x), x, w, b)  # 301 rows: oneDNN
+    assert gemv.rows == [] and amx.rows == [300, 1, 3, 5, 33, 129]
     with pytest.raises(ValueError, match="AMX tile linear"):
-        Bf16WeightLinear(w, b, gemv, None, onednn=False)
+        Bf16WeightLinear(w, b, gemv, None, every_row=True)
 
 
 def test_plan_gives_every_bf16_row_to_amx_only_where_it_runs():
-    """Native bf16 with AMX tiles available: every row on the tile linear
-    (bf16-amx, no oneDNN copy), or with amx_prefill=False decode batches
-    above the gemv's rows, the same numerics either way. Not without AMX
+    """Native bf16 with AMX tiles available: every call of up to
+    AMX_PREFILL_ROWS rows on the tile linear (bf16-amx+onednn), or with
+    amx_prefill=False decode batches above the gemv's rows, the same
+    numerics either way. Not without AMX
     (the AVX512_BF16 EPYC kind), nor without the OS's leave (amx_tiles), nor
     when turned off, nor for float32 or the bf16-weights mode."""
     plan = make_plan("cpu", "bfloat16", "none", AMX, ALL)
-    assert plan.amx_linear_rows and (plan.linear, plan.lm_head) == ("bf16-amx", "bf16-amx")
-    assert "amx-tile linear every row" in plan.describe()
+    assert plan.amx_linear_rows == AMX_PREFILL_ROWS
+    assert (plan.linear, plan.lm_head) == ("bf16-amx+onednn",) * 2
+    assert f"amx-tile linear <= {AMX_PREFILL_ROWS} rows (from 1 row)" in plan.describe()
     decode_only = make_plan("cpu", "bfloat16", "none", AMX, ALL,
                             ExecutionOptions(amx_prefill=False))
     assert decode_only.amx_linear_rows == AMX_LINEAR_ROWS
@@ -272,7 +277,7 @@ def test_amx_decode_batches_agree_with_onednn(request, arch):
     order differs). Its prefill rows never take it: a prompt's prefill keeps
     oneDNN's summation order (the same greedy request twice gave two answers
     when a cache hit moved its prefill across the tile linear's row limit).
-    The default plan (bf16-amx) gives every row to the tile linear, prefill
+    The default plan (bf16-amx+onednn) gives every row to the tile linear, prefill
     rows included: the same tokens again."""
     _amx_or_skip()
     path = request.getfixturevalue(f"tiny_{arch}_dir")
@@ -298,7 +303,7 @@ def test_amx_decode_batches_agree_with_onednn(request, arch):
     assert ids_a == ids_b
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
     every = _backend(path, amx=True)
-    assert every.plan.linear == "bf16-amx" and every.model.lm_head.packed_weight is None
+    assert every.plan.linear == "bf16-amx+onednn" and every.model.lm_head.every_row
     counting = _Counting(every.model.lm_head.amx)
     for module in [*every.model.modules()]:
         if getattr(module, "amx", None) is not None:

@@ -760,7 +760,7 @@ def test_native_bf16_agrees_with_the_bf16_torch_ops(request, arch):
     assert (plan.activation_dtype, plan.kv_dtype, plan.kernels) == ("bfloat16", "bfloat16",
                                                                     CPU.kind)
     assert plan.decode_attention == "native"
-    assert plan.linear in ("bf16-gemv+onednn", "bf16-amx", "torch")
+    assert plan.linear in ("bf16-gemv+onednn", "bf16-amx+onednn", "torch")
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 6, 13, 4)]
     ids_fast, lp_fast = _run(fast, prompts, 10)
@@ -788,9 +788,9 @@ def test_native_bf16_whole_step_decode_agrees_with_its_layer_path(kind, request,
     path = request.getfixturevalue(f"tiny_{arch}_dir")
     fast = _backend(path, "bfloat16")
     plan = fast.plan
-    # on AMX machines every layer row takes the AMX tile linear (bf16-amx)
+    # on AMX machines every layer row takes the AMX tile linear (bf16-amx+onednn)
     assert (plan.activation_dtype, plan.linear, plan.whole_step_decode) == (
-        "bfloat16", "bf16-amx" if plan.amx_linear_rows else "bf16-gemv+onednn", 4)
+        "bfloat16", "bf16-amx+onednn" if plan.amx_linear_rows else "bf16-gemv+onednn", 4)
     assert "whole-step decode <= 4 rows" in plan.describe()
     layered = _backend(path, "bfloat16")
     # Only the summation order may differ (here: none at all between the

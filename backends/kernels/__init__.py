@@ -381,7 +381,8 @@ class LinearAmx:
     ``enabled``: whether the bf16-gemv+onednn linears holding it call it now;
     the backend enables it for decode steps only, so that prefill rows keep
     one summation order (oneDNN's; still not that of other row counts). The
-    bf16-amx linears call it for every row whatever ``enabled`` says."""
+    bf16-amx+onednn linears call it for every batch of up to ``max_rows``
+    rows whatever ``enabled`` says."""
 
     def __init__(self, kind: str, max_rows: int) -> None:
         ok, reason = amx_ready(kind)

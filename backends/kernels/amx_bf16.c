@@ -10,8 +10,8 @@
  * ms at 8 rows: at 32 rows it splits the rows over the threads, so both
  * threads read every weight. Here each thread streams its own share of the
  * output features once, for every row (docs/benchmarks.md has the figures).
- * On AMX machines the plan gives it prefill rows too (linear bf16-amx: no
- * oneDNN copy of the weights, and a row's bits independent of the row count,
+ * On AMX machines the plan gives it prefill chunks too, calls of up to 512
+ * rows (linear bf16-amx+onednn: a row's bits independent of the row count,
  * which keeps prefix-cache hits consistent): more than 32 rows take the
  * many-row path below.
  *
