@@ -96,6 +96,31 @@ static inline void prefetch_piece(const void *cache, const int64_t *table, int64
     for (int64_t o = 0; o < m * bytes; o += 64) _mm_prefetch(at + o, _MM_HINT_T0);
 }
 
+/* The same piece as a run of bytes to prefetch in parts (prefetch_part):
+ * spread over the steps of the work on the current piece rather than asked
+ * for at once, the prefetches interleave with that work (measured
+ * 2026-12-01, one thread, 16 x 200 and 8 x 1000: ~8-10% faster than all
+ * at once). `at` NULL when p >= n. */
+typedef struct { const char *at; int64_t bytes; } prefetch_run;
+
+static inline prefetch_run piece_run(const void *cache, const int64_t *table, int64_t p,
+                                     int64_t n, int64_t block_size, int64_t bytes) {
+    prefetch_run r = {NULL, 0};
+    if (p < n) {
+        r.at = (const char *)cache + (table[p / block_size] * block_size + p % block_size) * bytes;
+        r.bytes = (n - p < 16 ? n - p : 16) * bytes;
+    }
+    return r;
+}
+
+/* Part i of `parts` of the run (whole 64-byte lines; the last part to its end). */
+static inline void prefetch_part(prefetch_run r, int64_t i, int64_t parts) {
+    if (r.at == NULL) return;
+    const int64_t lo = i * r.bytes / parts / 64 * 64;
+    const int64_t hi = i + 1 == parts ? r.bytes : (i + 1) * r.bytes / parts / 64 * 64;
+    for (int64_t o = lo; o < hi; o += 64) _mm_prefetch(r.at + o, _MM_HINT_T0);
+}
+
 /* Eight float32 values of a cache row, from float32 or bfloat16 storage. */
 static inline __m256 load8_f32(const void *base, int64_t i) {
     return _mm256_loadu_ps((const float *)base + i);
@@ -504,13 +529,15 @@ BATON_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_ca
         for (int64_t p0 = 0; p0 < n; p0 += 16) {
             const int64_t slot = table[p0 / block_size] * block_size + p0 % block_size;
             const uint16_t *k0 = k_cache + slot * row + ga * D;
-            /* the next piece of K, or after the last (of the last pass) V's first */
-            if (p0 + 16 < n)
-                prefetch_piece(k_cache, table, p0 + 16, n, block_size, row * 2);
-            else if (gb == h1 / G)
-                prefetch_piece(v_cache, table, 0, n, block_size, row * 2);
+            /* the next piece of K, or after the last (of the last pass) V's
+             * first, a part before each tile step */
+            const prefetch_run next =
+                p0 + 16 < n ? piece_run(k_cache, table, p0 + 16, n, block_size, row * 2)
+                : gb == h1 / G ? piece_run(v_cache, table, 0, n, block_size, row * 2)
+                : (prefetch_run){NULL, 0};
             _tile_zero(0);
             for (int64_t x = 0; x < pieces; x++) {
+                prefetch_part(next, x, pieces);
                 _tile_loadd(1, k0 + 32 * x, row * 2);
                 _tile_loadd(2, qp[x], 64);
                 _tile_dpbf16ps(0, 1, 2);
@@ -620,15 +647,18 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
     for (int64_t p0 = 0; p0 < n; p0 += block_size) {
         const int64_t base = table[p0 / block_size] * block_size * row;
         const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
-        if (p0 + block_size < n)
-            prefetch_piece(v_cache, table, p0 + block_size, n, block_size, row * (bf16 ? 2 : 4));
-        for (int64_t g = h0 / G; g < h1 / G; g++)
+        /* the next block's first sixteen positions, a part per kv group */
+        const prefetch_run next = piece_run(v_cache, table, p0 + block_size, n, block_size,
+                                            row * (bf16 ? 2 : 4));
+        for (int64_t g = h0 / G; g < h1 / G; g++) {
+            prefetch_part(next, g - h0 / G, h1 / G - h0 / G);
             for (int64_t hs = g * G; hs < (g + 1) * G; hs += most) {
                 const int64_t nh = (g + 1) * G - hs < most ? (g + 1) * G - hs : most;
                 pv_dispatch(v_cache, base + g * D, row, m,
                             scores + w0 + (hs - h0) * wh + p0 * wp, wh, wp, acc + hs * D, D,
                             (int)nh, bf16);
             }
+        }
     }
     if (inv != NULL)
         for (int64_t h = h0; h < h1; h++) {
