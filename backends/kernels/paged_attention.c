@@ -18,14 +18,16 @@
  * path depends on the thread count. Within a build, scores path and thread
  * count the result is one function of the inputs (with or without lse).
  *
- * The AVX-512 paths (their bf16 scores and their values) prefetch
- * (prefetch_piece) the next sixteen positions' slots, a whole 6 KB block of
- * SmolLM2's at blocks of 16, while they work on the current ones: K's
- * blocks in turn, then V's first, then V's. The hardware prefetchers start
- * afresh at every scattered block, and the arithmetic otherwise runs while
- * few loads are in flight. Sessions 5 and 7 found no consistent gain from
- * prefetching (one or two blocks ahead; per piece with the AMX scores);
- * session 8 measured this one in docs/benchmarks.md ("Session 8 (attn)").
+ * The AVX-512 paths (their bf16 scores and their values) prefetch the next
+ * sixteen positions' slots, a whole 6 KB block of SmolLM2's at blocks of
+ * 16, while they work on the current ones: K's blocks in turn, then V's
+ * first, then V's; the AMX scores and the values in parts spread over that
+ * work (prefetch_part), the VDPBF16PS scores at once (prefetch_piece). The
+ * hardware prefetchers start afresh at every scattered block, and the
+ * arithmetic otherwise runs while few loads are in flight. Sessions 5 and 7
+ * found no consistent gain from prefetching (one or two blocks ahead; per
+ * piece with the AMX scores); session 8 measured these in
+ * docs/benchmarks.md ("Session 8 (attn)").
  *
  * Layouts (all contiguous):
  *   q, out            [T, H, D]
