@@ -85,6 +85,28 @@ BATON_AMX_TARGET static void store_block(const float *c, const float *bias, uint
     }
 }
 
+/* The C tiles of row blocks rb (and rb + 1 when twom) by feature blocks g
+ * (and g + 1 when two), C[mi][gi] in tmm(2 * mi + gi), rounded into y16 or
+ * yf by store_block; rows past M and features past N are dropped. */
+BATON_AMX_TARGET static void store_tiles(const float *bias, uint16_t *y16, float *yf, int64_t M,
+                                         int64_t N, int64_t g, int two, int64_t rb, int twom) {
+    float c[4][16][16];
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    for (int h = 0; h < 1 + twom; h++) {
+        const int64_t m0 = (rb + h) * 16;
+        const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
+        if (mr <= 0) continue;
+        for (int q = 0; q < 1 + two; q++) {
+            const int64_t n0 = (g + q) * 16;
+            const int nr = (int)(N - n0 < 16 ? N - n0 : 16);
+            if (nr > 0) store_block(&c[2 * h + q][0][0], bias, y16, yf, N, n0, m0, nr, mr);
+        }
+    }
+}
+
 /* The weight stream of a pair of feature blocks at 17-32 rows (two row
  * blocks: four TDPBF16PS per 2 KB of weights): w0's and w1's (= w0 + wrow)
  * block q, each kb blocks of 1 KB, asked for ahead of its use with `hint`;
@@ -134,7 +156,6 @@ BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t 
     const int64_t kb = kp / BATON_GEMV_TILE_COLS, xstride = kp * 2;
     const int64_t mblocks = mp < 16 ? 1 : mp / 16;
     const int64_t wrow = BATON_GEMV_TILE_ROWS * kp;  /* bf16 values per feature block */
-    float c[4][16][16];
     for (int64_t g = g0; g < g1; g += 2) {
         const int two = g + 1 < g1;
         const uint16_t *w0 = w + g * wrow, *w1 = w0 + wrow;
@@ -185,21 +206,7 @@ BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t 
                     _tile_dpbf16ps(0, 4, 6);
                 }
             }
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[1], 64);
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-            for (int h = 0; h < 1 + twom; h++) {
-                const int64_t m0 = (mb + h) * 16;
-                const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-                if (mr <= 0) continue;
-                for (int q = 0; q < 1 + two; q++) {
-                    const int64_t n0 = (g + q) * 16;
-                    const int nr = (int)(N - n0 < 16 ? N - n0 : 16);
-                    if (nr > 0)
-                        store_block(&c[2 * h + q][0][0], bias, y16, yf, N, n0, m0, nr, mr);
-                }
-            }
+            store_tiles(bias, y16, yf, M, N, g, two, mb, twom);
         }
     }
     _tile_release();
@@ -249,7 +256,6 @@ BATON_AMX_TARGET static void amx_many_panel(const uint16_t *xa, int64_t kb, cons
                                             int64_t N, int64_t g0, int64_t g1, int64_t r0,
                                             int64_t r1) {
     const int64_t wrow = BATON_GEMV_BLOCK * kb;  /* bf16 values per feature block */
-    float c[4][16][16];
     for (int64_t g = g0; g < g1; g += 2) {
         const int two = g + 1 < g1;
         const uint16_t *w0 = w + g * wrow, *w1 = two ? w0 + wrow : w0;
@@ -274,20 +280,7 @@ BATON_AMX_TARGET static void amx_many_panel(const uint16_t *xa, int64_t kb, cons
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[1], 64);
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-            for (int h = 0; h < 1 + twom; h++) {
-                const int64_t m0 = (r + h) * 16;
-                const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
-                if (mr <= 0) continue;
-                for (int q = 0; q < 1 + two; q++) {
-                    const int64_t n0 = (g + q) * 16;
-                    const int nr = (int)(N - n0 < 16 ? N - n0 : 16);
-                    if (nr > 0) store_block(&c[2 * h + q][0][0], bias, y, 0, N, n0, m0, nr, mr);
-                }
-            }
+            store_tiles(bias, y, 0, M, N, g, two, r, twom);
         }
     }
 }
