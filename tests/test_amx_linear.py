@@ -36,6 +36,16 @@ def _amx_or_skip() -> native.LinearAmx:
     return native.LinearAmx("avx512_bf16", AMX_LINEAR_ROWS)
 
 
+def _bf16_operands(seed, rows, out_features, in_features):
+    """Random bf16 weights [out, in], rows [rows, in] and bias [out], in that
+    order from one generator seeded with seed."""
+    gen = torch.Generator().manual_seed(seed)
+    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x16 = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    b16 = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    return w16, x16, b16
+
+
 def _close_to_rounded_reference(y, x16, w16, b16):
     """Each value the float64 reference rounded to bf16, or one bf16 step
     from it (another summation order); nearly all of them exact."""
@@ -52,10 +62,7 @@ def test_amx_linear_rounds_once_like_onednn(rows, out_features, in_features):
     multiple of 16 (or of 2), rows not a multiple of 16 and above 32 (more
     than one pass over the row blocks)."""
     amx = _amx_or_skip()
-    gen = torch.Generator().manual_seed(rows * 7 + in_features)
-    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
-    x16 = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    b16 = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    w16, x16, b16 = _bf16_operands(rows * 7 + in_features, rows, out_features, in_features)
     tiled = native.GemvBf16.tile(w16)
     for bias in (b16, None):
         y = amx(x16, tiled, out_features, bias)
@@ -87,10 +94,7 @@ def test_amx_linear_row_does_not_depend_on_the_batch(out_features, in_features):
     computed beside other rows, or alone). Odd K, features not a multiple of
     16, bias and none; every value within a bf16 step of the reference."""
     amx = _amx_or_skip()
-    gen = torch.Generator().manual_seed(out_features + in_features)
-    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
-    x16 = torch.randn(64, in_features, generator=gen).to(torch.bfloat16)
-    b16 = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    w16, x16, b16 = _bf16_operands(out_features + in_features, 64, out_features, in_features)
     tiled = native.GemvBf16.tile(w16)
     for bias in (b16, None):
         full = amx(x16, tiled, out_features, bias)
@@ -107,10 +111,7 @@ def test_amx_linear_many_rows_give_each_row_the_few_row_bits(rows, out_features,
     each row's bits are still those of the few-row path (rows 16 at a time),
     and within a bf16 step of the reference."""
     amx = _amx_or_skip()
-    gen = torch.Generator().manual_seed(rows)
-    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
-    x16 = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    b16 = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    w16, x16, b16 = _bf16_operands(rows, rows, out_features, in_features)
     tiled = native.GemvBf16.tile(w16)
     for bias in (b16, None):
         full = amx(x16, tiled, out_features, bias)

@@ -212,6 +212,15 @@ BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t 
     _tile_release();
 }
 
+/* Thread me of nt's feature blocks [*g0, *g1) of groups: a contiguous run of
+ * block pairs, so that each thread reads one stream of weights. */
+static inline void thread_groups(int64_t groups, int64_t me, int64_t nt, int64_t *g0,
+                                 int64_t *g1) {
+    const int64_t pairs = (groups + 1) / 2, p1 = pairs * (me + 1) / nt;
+    *g0 = 2 * (pairs * me / nt);
+    *g1 = 2 * p1 < groups ? 2 * p1 : groups;
+}
+
 /* ---- Many rows (prefill chunks): more than BATON_AMX_MANY_ROWS ----------
  * Bound by arithmetic, not by the weights: the rows are packed once into
  * tile order (row block r, column block j: 16 rows x 32 columns, 1 KB
@@ -324,16 +333,14 @@ static int amx_linear_many(const uint16_t *x, const uint16_t *w, const uint16_t 
         return 2;
     }
     if (bias) baton_load_bf16(bias, bf, N);
-    const int64_t pairs = (groups + 1) / 2;
     #pragma omp parallel num_threads(num_threads)
     {
         const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
         pack_row_blocks(x, xa, M, K, kb, rblocks * me / nt, rblocks * (me + 1) / nt);
-        const int64_t p0 = pairs * me / nt, p1 = pairs * (me + 1) / nt;
-        const int64_t g1 = 2 * p1 < groups ? 2 * p1 : groups;
+        int64_t g0, g1;
+        thread_groups(groups, me, nt, &g0, &g1);
         #pragma omp barrier
-        if (2 * p0 < g1)
-            amx_many_thread(xa, kb, w, bias ? bf : 0, y, M, N, 2 * p0, g1, rblocks, panel);
+        if (g0 < g1) amx_many_thread(xa, kb, w, bias ? bf : 0, y, M, N, g0, g1, rblocks, panel);
     }
     free(xa);
     free(bf);
@@ -356,8 +363,6 @@ int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
         return 2;
     }
     if (bias) baton_load_bf16(bias, bf, N);
-    /* each thread a contiguous run of block pairs: one stream of weights */
-    const int64_t pairs = (groups + 1) / 2;
     #pragma omp parallel num_threads(num_threads)
     {
         const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
@@ -368,11 +373,10 @@ int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
             if (n) memcpy(dst, x + m * K, sizeof(uint16_t) * K);
             memset(dst + n, 0, sizeof(uint16_t) * (kp - n));
         }
-        const int64_t p0 = pairs * me / nt, p1 = pairs * (me + 1) / nt;
-        const int64_t g1 = 2 * p1 < groups ? 2 * p1 : groups;
+        int64_t g0, g1;
+        thread_groups(groups, me, nt, &g0, &g1);
         #pragma omp barrier
-        if (2 * p0 < g1)
-            amx_groups(xp, mp, kp, w, bias ? bf : 0, y, 0, M, N, 2 * p0, g1);
+        if (g0 < g1) amx_groups(xp, mp, kp, w, bias ? bf : 0, y, 0, M, N, g0, g1);
     }
     free(xp);
     free(bf);
@@ -389,11 +393,9 @@ void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *
                             float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
-    const int64_t pairs = (groups + 1) / 2;
-    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t p0 = pairs * me / nt, p1 = pairs * (me + 1) / nt;
-    const int64_t g1 = 2 * p1 < groups ? 2 * p1 : groups;
-    if (2 * p0 < g1) amx_groups(xb, M, kp, w, bias, 0, y, M, N, 2 * p0, g1);
+    int64_t g0, g1;
+    thread_groups(groups, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
+    if (g0 < g1) amx_groups(xb, M, kp, w, bias, 0, y, M, N, g0, g1);
     #pragma omp barrier
 }
 #else
