@@ -58,6 +58,12 @@ INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # those, and its packed copy of the weights stays.
 AMX_LINEAR_ROWS = 32
 AMX_PREFILL_ROWS = 512
+# Rows a plain greedy step may have for its pick to go through the int8
+# screen of the output projection (greedy_screen.c takes up to 4: the
+# whole-step decode's rows, where the projection is ~21% of what a step
+# reads; at 32 rows the screen's float32 arithmetic would cost more than the
+# bytes it saves).
+GREEDY_SCREEN_ROWS = 4
 
 
 class ExecutionError(ModelLoadError):
@@ -141,6 +147,9 @@ class ExecutionOptions:
     # False: the AMX tile linear takes decode batches only (up to
     # AMX_LINEAR_ROWS rows), oneDNN the prefill rows (benchmarks, tests)
     amx_prefill: bool = True
+    # False: plain greedy rows read the whole output projection, never its
+    # int8 screen (benchmarks, tests)
+    greedy_screen: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_kind != "auto" and self.cpu_kind not in CPU_KINDS:
@@ -197,6 +206,10 @@ class ExecutionPlan:
     # grammar): "native" (baton::row_max over the logits in the activation
     # dtype: one read, torch.argmax's ties) or "torch" (float32 logits, argmax).
     greedy_pick: str = "torch"
+    # Max rows of a plain greedy step whose pick reads an int8 copy of the
+    # bf16 output projection first and computes exactly only the logits that
+    # can still win (backends/greedy_screen.py); 0 off.
+    greedy_screen: int = 0
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
     # Max rows of the AMX tile linear: above the gemv's (bf16-gemv+onednn),
@@ -249,6 +262,8 @@ class ExecutionPlan:
             parts.append(f"shared-prefix decode {self.shared_prefix_decode}")
         if self.moe != "none":
             parts.append(f"experts {self.moe}")
+        if self.greedy_screen:
+            parts.append(f"greedy screen <= {self.greedy_screen} rows (int8 head copy)")
         if self.whole_step_decode:
             parts.append(f"whole-step decode <= {self.whole_step_decode} rows"
                          + (" of int4 panels" if self.whole_step_weights == "int4" else ""))
@@ -272,6 +287,7 @@ class _ModelNeeds:
     partial_rotary: bool = False
     moe: bool = False
     plain: bool = True   # the whole-step native decode computes this layer
+    final_softcap: bool = False  # logits soft-capped after the output projection
 
     @classmethod
     def of(cls, model: ModelConfig | None) -> _ModelNeeds:
@@ -285,7 +301,8 @@ class _ModelNeeds:
                      or m.embedding_scale is not None or m.local_rope_theta is not None
                      or m.query_pre_attn_scalar is not None)
         return cls(activation=m.hidden_act, sliding=m.has_sliding_layers, softcap=softcap,
-                   partial_rotary=partial, moe=m.moe is not None, plain=plain)
+                   partial_rotary=partial, moe=m.moe is not None, plain=plain,
+                   final_softcap=m.final_logit_softcap is not None)
 
     def apply(self, plan: ExecutionPlan) -> ExecutionPlan:
         """``plan`` (made for a plain model) with the steps native kernels
@@ -307,6 +324,9 @@ class _ModelNeeds:
                              "attends whole contexts)")
             if self.softcap:
                 notes.append("soft-capped layers on torch-eager (no native soft-capping)")
+        if plan.greedy_screen and self.final_softcap:
+            changes["greedy_screen"] = 0
+            notes.append("no greedy screen (its bound is on the logits before soft-capping)")
         if plan.whole_step_decode and not self.plain:
             changes["whole_step_decode"] = 0
             notes.append("no whole-step decode (it runs plain Llama/Qwen layers only)")
@@ -421,10 +441,16 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     if amx_rows and options.amx_prefill:
         linear = lm_head = "bf16-amx+onednn"
         amx_rows = AMX_PREFILL_ROWS
+    # Plain greedy steps of a few rows pick through an int8 copy of the bf16
+    # output projection (half its bytes; the exact logits only of the rows
+    # that can still win, by the projection's own kernel): the same token.
+    screen = (GREEDY_SCREEN_ROWS if native and activation == "bfloat16" and options.greedy_screen
+              and lm_head in ("bf16-gemv+onednn", "bf16-amx+onednn") else 0)
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
                      + (" (no whole-step decode)" if whole_step else ""))
         whole_step = 0
+        screen = 0  # each rank holds a slice of the output projection
     return ExecutionPlan(
         device=device, dtype=dtype, activation_dtype=activation,
         weight_dtype="bfloat16" if bf16_weights else activation, kv_dtype=kv,
@@ -436,6 +462,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         shared_prefix_decode="cascade" if native else "none",
         activation="native" if native else "torch",
         greedy_pick="native" if native else "torch",
+        greedy_screen=screen,
         whole_step_decode=whole_step, whole_step_weights=whole_weights,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,

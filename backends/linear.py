@@ -142,6 +142,20 @@ class Bf16WeightLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
                                                   "none", [], "")
 
+    def features_only(self, x: torch.Tensor, features: torch.Tensor,
+                      w_tiled: torch.Tensor) -> torch.Tensor:
+        """``forward(x)[:, features]`` from ``w_tiled`` (``gemv.tile`` of
+        those rows of the weight) by the kernel ``forward`` takes for x's
+        rows, for calls of up to the gemv's rows: the AMX tile linear or the
+        gemv, where each output's bits depend only on its weight row and its
+        input row, so they are ``forward``'s (the greedy screen's exact pass)."""
+        if x.dim() != 2 or not 0 < x.shape[0] <= self.gemv.max_rows:
+            raise ValueError(f"features_only takes 1 to {self.gemv.max_rows} rows")
+        bias = None if self.bias is None else self.bias[features].contiguous()
+        if self.every_row and x.shape[0] <= self.amx.max_rows:
+            return self.amx(x, w_tiled, len(features), bias)
+        return self.gemv(x, w_tiled, len(features), bias)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bfloat16 weights, {self.packed_weight.dtype} activations"

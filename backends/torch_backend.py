@@ -155,6 +155,13 @@ class TorchBackend:
         n = swap_linears(self.model, plan)
         log.debug("%d linear layers as %s, output projection as %s", n, plan.linear,
                   plan.lm_head)
+        self._screen = None
+        if plan.greedy_screen and parallel is None:
+            from backends.greedy_screen import ScreenedGreedyPick
+            self._screen = ScreenedGreedyPick(self.model.lm_head, plan.kernels,
+                                              plan.greedy_screen)
+            log.debug("greedy screen: an int8 copy of the output projection, %.1f MiB",
+                      self._screen.nbytes / 2**20)
         if parallel is not None:
             from backends.parallel.layers import parallelize
             parallelize(self.model, parallel, shard.partition)
@@ -382,8 +389,11 @@ class TorchBackend:
         plain = (self._greedy_pick is not None and not constrained and not waiting
                  and plain_greedy(batch))
         # With out_rows the model returned the sampled rows alone, in order.
-        logits = self.model.compute_logits(
-            hidden if out_rows is not None else hidden[logits_index], float32=not plain)
+        picked_hidden = hidden if out_rows is not None else hidden[logits_index]
+        screened = (self._screen(picked_hidden)
+                    if plain and self._screen is not None else None)
+        logits = None if screened is not None else self.model.compute_logits(
+            picked_hidden, float32=not plain)
         prompt_logprobs = self._prompt_logprobs(spans, hidden)
         t2 = time.perf_counter()
         timings.forward = t2 - t1
@@ -393,7 +403,10 @@ class TorchBackend:
                              masks.result().to(self.device))
         # A row with a NaN or an infinity cannot be sampled; its request fails
         # alone (amax propagates NaN). -1 marks it in the one host transfer.
-        if plain:
+        if screened is not None:
+            ids, finite = screened
+            out = SamplerOutput(ids, None, None, None)
+        elif plain:
             ids, finite = greedy_pick(logits, self._greedy_pick)
             out = SamplerOutput(ids, None, None, None)
         else:

@@ -101,6 +101,9 @@ PROMPTS = {"a": [5, 17, 99, 230, 41], "b": [8, 77, 300, 12], "c": [400, 3, 3, 9,
 def _engine(model, dtype, native_pick: bool, calls: list | None = None):
     core = make_engine(model, dtype=dtype)
     backend = core.backend
+    # Plain greedy steps of <= 4 rows would go through the greedy screen
+    # (tests/test_greedy_screen.py) instead of the pick over every logit.
+    backend._screen = None
     assert backend.plan.greedy_pick == ("native" if backend.plan.kernels else "torch")
     if not native_pick:
         backend._greedy_pick = None

@@ -49,7 +49,7 @@ log = logging.getLogger("baton.kernels")
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
     "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "gemv_q4.c", "decode_bf16.c",
-    "amx_bf16.c", "row_max.c")]
+    "amx_bf16.c", "row_max.c", "greedy_screen.c")]
 _HEADERS = [_HERE / "kernels.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
@@ -253,6 +253,12 @@ def _register_fakes() -> None:
     def _row_max(x, kind):
         return (x.new_empty(x.shape[0], dtype=torch.float32),
                 x.new_empty(x.shape[0], dtype=torch.long))
+
+    @fake("baton::greedy_screen")
+    def _greedy_screen(x, q, scales, w_tiled, max_candidates, kind):
+        count = torch.library.get_ctx().new_dynamic_size()
+        return (x.new_empty(count, dtype=torch.long),
+                w_tiled.new_empty((count + 15) // 16, *w_tiled.shape[1:]))
 
 
 class GemvBf16:

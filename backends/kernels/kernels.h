@@ -23,6 +23,7 @@
 #define baton_qkv_rope_store_f32 BATON_FN(baton_qkv_rope_store_f32)
 #define baton_qkv_rope_store_row BATON_FN(baton_qkv_rope_store_row)
 #define baton_rms_norm_bf16 BATON_FN(baton_rms_norm_bf16)
+#define baton_greedy_screen BATON_FN(baton_greedy_screen)
 #define baton_silu_mul_bf16 BATON_FN(baton_silu_mul_bf16)
 #define baton_qkv_rope_store_bf16 BATON_FN(baton_qkv_rope_store_bf16)
 #define baton_paged_decode_attention_f32 BATON_FN(baton_paged_decode_attention_f32)

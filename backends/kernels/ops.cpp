@@ -13,6 +13,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <vector>
+
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -51,7 +54,9 @@ extern "C" {
   int baton_linear_amx_bf16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
                                    uint16_t*, int64_t, int64_t, int64_t, int);              \
   int baton_row_max_f32_##kind(const float*, int64_t, int64_t, float*, int64_t*, int);       \
-  int baton_row_max_bf16_##kind(const uint16_t*, int64_t, int64_t, float*, int64_t*, int);
+  int baton_row_max_bf16_##kind(const uint16_t*, int64_t, int64_t, float*, int64_t*, int);  \
+  int baton_greedy_screen_##kind(const uint16_t*, const int8_t*, const float*, int64_t,      \
+                                 int64_t, int64_t, float*, float*, int);
 BATON_DECLARE(portable)
 #ifndef BATON_PORTABLE_ONLY
 BATON_DECLARE(avx2)
@@ -97,6 +102,8 @@ decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
     BATON_TABLE(baton_linear_amx_bf16);
 decltype(&baton_row_max_f32_portable) const row_max_f32[] = BATON_TABLE(baton_row_max_f32);
 decltype(&baton_row_max_bf16_portable) const row_max_bf16[] = BATON_TABLE(baton_row_max_bf16);
+decltype(&baton_greedy_screen_portable) const greedy_screen_fn[] =
+    BATON_TABLE(baton_greedy_screen);
 
 bool cpu_runs(int kind) {
 #if defined(BATON_PORTABLE_ONLY) || !(defined(__x86_64__) || defined(__i386__))
@@ -411,6 +418,75 @@ std::tuple<at::Tensor, at::Tensor> row_max(const at::Tensor& x, int64_t kind) {
   return {values, indices};
 }
 
+// The screened greedy pick (greedy_screen.c, backends/greedy_screen.py): for
+// 1-4 bf16 rows x [R, K], an int8 copy q [ceil(V / 16), K, 16] of a [V, K]
+// output projection with row scales [V], and that projection's gemv tiles
+// w_tiled [ceil(V / 16), K / 32, 16, 32]: the vocabulary rows whose logit can
+// still be some row's largest (ascending) and their tiles (GemvBf16.tile of
+// those rows). No rows (an empty result): the screen cannot decide (a
+// non-finite row, logits near bf16's overflow, more than max_candidates).
+std::tuple<at::Tensor, at::Tensor> greedy_screen(const at::Tensor& x, const at::Tensor& q,
+                                                 const at::Tensor& scales,
+                                                 const at::Tensor& w_tiled,
+                                                 int64_t max_candidates, int64_t kind) {
+  const int k = check_kind(kind);
+  check_cpu(x, "x");
+  check_cpu(q, "q");
+  check_cpu(scales, "scales");
+  check_cpu(w_tiled, "w_tiled");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
+                  x.size(0) <= 4 && x.size(1) >= 1,
+              "baton: greedy_screen takes 1-4 bfloat16 rows [R, K]");
+  const int64_t rows = x.size(0), kk = x.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) >= 1,
+              "baton: greedy_screen's scales are float32 [V]");
+  const int64_t v = scales.size(0), v16 = (v + 15) / 16, k32 = (kk + 31) / 32;
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 3 && q.size(0) == v16 &&
+                  q.size(1) == kk && q.size(2) == 16,
+              "baton: greedy_screen's q is int8 [ceil(V / 16), K, 16] for scales [V] and "
+              "rows of K");
+  TORCH_CHECK(w_tiled.scalar_type() == at::kBFloat16 && w_tiled.dim() == 4 &&
+                  w_tiled.size(0) == v16 && w_tiled.size(1) == k32 &&
+                  w_tiled.size(2) == 16 && w_tiled.size(3) == 32,
+              "baton: greedy_screen's w_tiled is the projection's tiles [ceil(V / 16), "
+              "ceil(K / 32), 16, 32]");
+  at::Tensor hi = at::empty({rows, v}, x.options().dtype(at::kFloat));
+  float lo_max[4];
+  const int rc = greedy_screen_fn[k](static_cast<const uint16_t*>(x.data_ptr()),
+                                     q.data_ptr<int8_t>(), scales.data_ptr<float>(), rows, v,
+                                     kk, hi.data_ptr<float>(), lo_max, threads());
+  check_rc(rc, "greedy_screen");
+  auto none = std::make_tuple(at::empty({0}, x.options().dtype(at::kLong)),
+                              at::empty({0, k32, 16, 32}, w_tiled.options()));
+  for (int64_t r = 0; r < rows; r++)
+    if (!std::isfinite(lo_max[r])) return none;
+  std::vector<int64_t> picked;
+  const float* h = hi.data_ptr<float>();
+  for (int64_t i = 0; i < v; i++) {
+    bool any = false;
+    for (int64_t r = 0; r < rows; r++) any |= h[r * v + i] >= lo_max[r];
+    if (any) {
+      if (static_cast<int64_t>(picked.size()) >= max_candidates) return none;
+      picked.push_back(i);
+    }
+  }
+  const int64_t c = static_cast<int64_t>(picked.size());
+  at::Tensor candidates = at::empty({c}, x.options().dtype(at::kLong));
+  std::copy(picked.begin(), picked.end(), candidates.data_ptr<int64_t>());
+  // Feature f of block b, column pair p of column block j: the 32-bit word
+  // [b][j][p][f] of the tiles (a feature's two values side by side).
+  at::Tensor sub = at::zeros({(c + 15) / 16, k32, 16, 32}, w_tiled.options());
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w_tiled.data_ptr());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(sub.data_ptr());
+  for (int64_t i = 0; i < c; i++) {
+    const int64_t b = picked[i] / 16, f = picked[i] % 16, ob = i / 16, of = i % 16;
+    for (int64_t j = 0; j < k32; j++)
+      for (int64_t p = 0; p < 16; p++)
+        dst[((ob * k32 + j) * 16 + p) * 16 + of] = src[((b * k32 + j) * 16 + p) * 16 + f];
+  }
+  return {candidates, sub};
+}
+
 bool amx_ready(int64_t kind) { return kind_runs(kind) && amx_ready_fn[kind](); }
 
 bool kind_runs(int64_t kind) { return kind >= 0 && kind < kNumKinds && cpu_runs(kind); }
@@ -436,6 +512,8 @@ TORCH_LIBRARY(baton, m) {
   m.def("linear_amx(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
         "-> Tensor");
   m.def("row_max(Tensor x, int kind) -> (Tensor values, Tensor indices)");
+  m.def("greedy_screen(Tensor x, Tensor q, Tensor scales, Tensor w_tiled, "
+        "int max_candidates, int kind) -> (Tensor candidates, Tensor w_sub)");
   m.def("kind_runs(int kind) -> bool", kind_runs);
   m.def("amx_ready(int kind) -> bool", amx_ready);
 }
@@ -449,4 +527,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("gemv_bf16", gemv_bf16_op);
   m.impl("linear_amx", linear_amx_op);
   m.impl("row_max", row_max);
+  m.impl("greedy_screen", greedy_screen);
 }
