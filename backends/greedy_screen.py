@@ -73,6 +73,8 @@ class ScreenedGreedyPick:
         if head.weight_tiled.dtype != torch.bfloat16 or max_rows > GemvBf16.max_rows:
             raise ValueError("the greedy screen takes a bf16 tiled output projection and "
                              f"at most {GemvBf16.max_rows} rows")
+        if head.bias is not None:  # the bound is on x @ W^T alone
+            raise ValueError("the greedy screen takes an output projection without bias")
         self.head = head
         self.kind = kernels.kind_id(kind)
         self.max_rows = max_rows

@@ -101,6 +101,14 @@ def test_int8_copy_bounds_every_weight():
     assert scales[7] == 0 and int(q.permute(0, 2, 1).reshape(-1, k)[7].abs().sum()) == 0
 
 
+def test_a_projection_with_bias_is_refused():
+    weight = _hard_weight()
+    _kind_or_skip(KIND)
+    head = Bf16WeightLinear(weight, torch.ones(weight.shape[0]), native.GemvBf16(KIND))
+    with pytest.raises(ValueError, match="without bias"):
+        ScreenedGreedyPick(head, KIND, 4)
+
+
 def test_untile_inverts_the_gemv_tiles():
     weight = _hard_weight()
     assert torch.equal(untile(native.GemvBf16.tile(weight), *weight.shape), weight)
