@@ -9,7 +9,7 @@
  * projection's own kernel, and picks among them).
  *
  * The int8 copy: q_v = round(w_v / s_v), s_v = max |w_v| / 127 (float32),
- * so |w_vk - s_v q_vk| <= s_v (0.5 + 1e-5) (the copy is made in float64).
+ * so |w_vk - s_v q_vk| <= s_v (0.5 + 1e-5) (backends/greedy_screen.py).
  * With n1 = sum |x_k| (rounded up) and u = 2^-24, the pieces of E_v:
  *   quantization          s_v n1 (0.5 + 1e-5)
  *   this pass's float32 sum and the projection's (any order, FMA or not):
