@@ -195,6 +195,11 @@ static inline void baton_store_bf16(const float *x, uint16_t *dst, int64_t n) {
 /* dst[i] = float(src[i]) (exact). */
 static inline void baton_load_bf16(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
+#if defined(BATON_AVX2) && defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16)));
+#endif
 #ifdef BATON_AVX2
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
