@@ -66,6 +66,20 @@ int baton_amx_bf16_ready(void) {
     return ok;
 }
 
+/* The eight tiles as every caller here uses them, 64-byte rows: tiles 0-5
+ * (C and A) of a_rows rows (16, or fewer for a call of fewer rows), 6 and 7
+ * (B, the weights) of 16. */
+BATON_AMX_TARGET static void load_tile_config(int a_rows) {
+    baton_amx_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = (uint8_t)(i < 6 ? a_rows : 16);
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* A [16 rows][16 features] float32 block (c, row stride 16) plus bias to
  * row m0 + m, features n0 + f of the result, for f < nr, m < mr, rounded
  * once to bf16: into y16 (bf16), or, when y16 is NULL, into yf as float32
@@ -145,14 +159,7 @@ BATON_AMX_TARGET static inline void prefetch_pair(const uint16_t *w0, int64_t wr
 BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
                                   const uint16_t *w, const float *bias, uint16_t *y16,
                                   float *yf, int64_t M, int64_t N, int64_t g0, int64_t g1) {
-    baton_amx_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = (i < 6 && mp < 16) ? (uint8_t)mp : 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    load_tile_config(mp < 16 ? (int)mp : 16);
     const int64_t kb = kp / BATON_GEMV_TILE_COLS, xstride = kp * 2;
     const int64_t mblocks = mp < 16 ? 1 : mp / 16;
     const int64_t wrow = BATON_GEMV_TILE_ROWS * kp;  /* bf16 values per feature block */
@@ -299,14 +306,7 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
                                              const float *bias, uint16_t *y, int64_t M,
                                              int64_t N, int64_t g0, int64_t g1,
                                              int64_t rblocks, int64_t panel) {
-    baton_amx_config cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    load_tile_config(16);
     for (int64_t r0 = 0; r0 < rblocks; r0 += panel)
         amx_many_panel(xa, kb, w, bias, y, M, N, g0, g1, r0,
                        r0 + panel < rblocks ? r0 + panel : rblocks);

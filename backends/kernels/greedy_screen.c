@@ -126,13 +126,10 @@ int baton_greedy_screen(const uint16_t *x, const int8_t *q, const float *s, int6
     const float rel = (float)((ldexp(1.0, -8) + ldexp(1.0, -22)) * 1.0001);
     float span[SCREEN_MAX_ROWS];
     int bad = 0;
+    baton_load_bf16(x, xf, R * K);
     for (int64_t r = 0; r < R; r++) {
         double n1 = 0.0;
-        for (int64_t k = 0; k < K; k++) {
-            const float v = baton_bf16_to_f32(x[r * K + k]);
-            xf[r * K + k] = v;
-            n1 += fabs((double)v);
-        }
+        for (int64_t k = 0; k < K; k++) n1 += fabs((double)xf[r * K + k]);
         span[r] = (float)(n1 * (1.0 + 1e-6)) * per_n1;
         if (!isfinite(span[r])) bad = 1;
         lo_max[r] = -INFINITY;
