@@ -12,16 +12,17 @@
  * output features once, for every row (docs/benchmarks.md has the figures).
  * On AMX machines the plan gives it prefill chunks too, calls of up to 512
  * rows (linear bf16-amx+onednn: a row's bits independent of the row count,
- * which keeps prefix-cache hits consistent): more than 32 rows take the
- * many-row path below.
+ * which keeps prefix-cache hits consistent). Up to sixteen rows stream the
+ * weights past the rows as they are; more (a c=32 decode step, prefill
+ * chunks) take the many-row path below.
  *
  * Full-size tiles: a weight block (16 column pairs x 16 features x 2, 1 KB
  * contiguous) is the B operand as stored (16 rows x 64 bytes); sixteen input
  * rows by 32 columns, read straight from a zero-padded copy of x, are the A
  * operand (16 rows x 64 bytes); C is [16 rows][16 features] in float32, so
  * each result row is stored as it stands. Each TDPBF16PS does 16 x 16 x 32
- * products. Two row blocks by two feature blocks use all eight tile
- * registers (four C, two A, two B).
+ * products. The few-row path holds one row block by two feature blocks (two
+ * C, one A, two B tiles); the many-row path two by two (all eight).
  *
  * Numerics: bf16 products are exact in float32 and accumulate in float32 (as
  * VDPBF16PS: denormal inputs and outputs flushed, round to nearest even); the
@@ -106,9 +107,11 @@ BATON_AMX_TARGET static void store_tiles(const float *bias, uint16_t *y16, float
                                          int64_t N, int64_t g, int two, int64_t rb, int twom) {
     float c[4][16][16];
     _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    _tile_stored(2, c[2], 64);
-    _tile_stored(3, c[3], 64);
+    if (two) _tile_stored(1, c[1], 64);
+    if (twom) {
+        _tile_stored(2, c[2], 64);
+        if (two) _tile_stored(3, c[3], 64);
+    }
     for (int h = 0; h < 1 + twom; h++) {
         const int64_t m0 = (rb + h) * 16;
         const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
@@ -121,100 +124,41 @@ BATON_AMX_TARGET static void store_tiles(const float *bias, uint16_t *y16, float
     }
 }
 
-/* The weight stream of a pair of feature blocks at 17-32 rows (two row
- * blocks: four TDPBF16PS per 2 KB of weights): w0's and w1's (= w0 + wrow)
- * block q, each kb blocks of 1 KB, asked for ahead of its use with `hint`;
- * past the pair's end (q >= kb), the next pair's blocks q - kb, which this
- * thread reads next (a prefetch past the weights' end is harmless). Blocks
- * AMX_PF_L2_AHEAD ahead go to L2 and AMX_PF_L1_AHEAD ahead to L1. At 24-32
- * rows that took 2-13% less time (minima of 8-10 interleaved runs, two
- * holds, Xeon model 207) than the gemv's two blocks ahead into L1
- * (baton_prefetch_block, which also runs from w0 into w1 rather than into
- * the next pair); at <= 16 rows it was no better, and those keep
- * baton_prefetch_block (session 8, docs/benchmarks.md). */
-#define AMX_PF_L2_AHEAD 8
-#define AMX_PF_L1_AHEAD 1
-BATON_AMX_TARGET static inline void prefetch_pair(const uint16_t *w0, int64_t wrow, int64_t kb,
-                                                  int64_t q, int hint) {
-    const char *p = (const char *)(q < kb ? w0 + q * BATON_GEMV_BLOCK
-                                          : w0 + 2 * wrow + (q - kb) * BATON_GEMV_BLOCK);
-    const char *r = p + 2 * wrow;  /* bytes: the other block of the pair */
-    for (int l = 0; l < BATON_GEMV_BLOCK * 2; l += 64) {
-        if (hint == _MM_HINT_T1) {
-            _mm_prefetch(p + l, _MM_HINT_T1);
-            _mm_prefetch(r + l, _MM_HINT_T1);
-        } else {
-            _mm_prefetch(p + l, _MM_HINT_T0);
-            _mm_prefetch(r + l, _MM_HINT_T0);
-        }
-    }
-}
-
-/* Feature blocks [g0, g1) for every row block of xp [mp][kp] (bf16,
- * zero-padded to kp columns; mp a multiple of 16, or mp = M < 16 rows
- * exactly: the A and C tiles then hold M rows): C[mi][gi] in tmm(2 * mi +
- * gi), A (rows) in tmm 4 and 5, B (weights) in tmm 6 and 7. A row's sums do
- * not depend on the rows configured beside it. Results into y16 (bf16) or,
- * when y16 is NULL, yf (store_block). */
+/* Feature blocks [g0, g1) for the rows of xp [mp][kp] (bf16, zero-padded
+ * to kp columns; mp = 16, or mp = M < 16 rows exactly: the A and C tiles
+ * then hold M rows): C[gi] in tmm(gi), the rows (A) in tmm 4, the weights
+ * (B) in tmm 6 and 7. A row's sums do not depend on the rows configured
+ * beside it. Results into y16 (bf16) or, when y16 is NULL, yf (store_block). */
 BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
                                   const uint16_t *w, const float *bias, uint16_t *y16,
                                   float *yf, int64_t M, int64_t N, int64_t g0, int64_t g1) {
     load_tile_config(mp < 16 ? (int)mp : 16);
     const int64_t kb = kp / BATON_GEMV_TILE_COLS, xstride = kp * 2;
-    const int64_t mblocks = mp < 16 ? 1 : mp / 16;
     const int64_t wrow = BATON_GEMV_TILE_ROWS * kp;  /* bf16 values per feature block */
     for (int64_t g = g0; g < g1; g += 2) {
         const int two = g + 1 < g1;
         const uint16_t *w0 = w + g * wrow, *w1 = w0 + wrow;
-        for (int64_t mb = 0; mb < mblocks; mb += 2) {
-            const int twom = mb + 1 < mblocks;
-            const uint16_t *x0 = xp + mb * 16 * kp, *x1 = x0 + 16 * kp;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            if (two && twom) {
-                for (int64_t j = 0; j < kb; j++) {
-                    prefetch_pair(w0, wrow, kb, j + AMX_PF_L2_AHEAD, _MM_HINT_T1);
-                    prefetch_pair(w0, wrow, kb, j + AMX_PF_L1_AHEAD, _MM_HINT_T0);
-                    _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
-                    _tile_loadd(4, x0 + j * 32, xstride);
-                    _tile_loadd(7, w1 + j * BATON_GEMV_BLOCK, 64);
-                    _tile_loadd(5, x1 + j * 32, xstride);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            } else if (two) {
-                for (int64_t j = 0; j < kb; j++) {
-                    baton_prefetch_block(w0, j);
-                    baton_prefetch_block(w1, j);
-                    _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
-                    _tile_loadd(4, x0 + j * 32, xstride);
-                    _tile_loadd(7, w1 + j * BATON_GEMV_BLOCK, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-            } else if (twom) {
-                for (int64_t j = 0; j < kb; j++) {
-                    baton_prefetch_block(w0, j);
-                    _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
-                    _tile_loadd(4, x0 + j * 32, xstride);
-                    _tile_loadd(5, x1 + j * 32, xstride);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
-                }
-            } else {
-                for (int64_t j = 0; j < kb; j++) {
-                    baton_prefetch_block(w0, j);
-                    _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
-                    _tile_loadd(4, x0 + j * 32, xstride);
-                    _tile_dpbf16ps(0, 4, 6);
-                }
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            for (int64_t j = 0; j < kb; j++) {
+                baton_prefetch_block(w0, j);
+                baton_prefetch_block(w1, j);
+                _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
+                _tile_loadd(4, xp + j * 32, xstride);
+                _tile_loadd(7, w1 + j * BATON_GEMV_BLOCK, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
             }
-            store_tiles(bias, y16, yf, M, N, g, two, mb, twom);
+        } else {
+            for (int64_t j = 0; j < kb; j++) {
+                baton_prefetch_block(w0, j);
+                _tile_loadd(6, w0 + j * BATON_GEMV_BLOCK, 64);
+                _tile_loadd(4, xp + j * 32, xstride);
+                _tile_dpbf16ps(0, 4, 6);
+            }
         }
+        store_tiles(bias, y16, yf, M, N, g, two, 0, 0);
     }
     _tile_release();
 }
@@ -228,11 +172,14 @@ static inline void thread_groups(int64_t groups, int64_t me, int64_t nt, int64_t
     *g1 = 2 * p1 < groups ? 2 * p1 : groups;
 }
 
-/* ---- Many rows (prefill chunks): more than BATON_AMX_MANY_ROWS ----------
- * Bound by arithmetic, not by the weights: the rows are packed once into
- * tile order (row block r, column block j: 16 rows x 32 columns, 1 KB
- * contiguous), so an A tile is one contiguous kilobyte the prefetcher
- * follows; each thread takes its contiguous run of feature-block pairs, as
+/* ---- Many rows (decode batches above 16, prefill chunks): more than
+ * BATON_AMX_MANY_ROWS ----------
+ * The rows are packed once into tile order (row block r, column block j: 16
+ * rows x 32 columns, 1 KB contiguous), so an A tile is one contiguous
+ * kilobyte the prefetcher follows (read with the stride of a row, sixteen
+ * lines a row apart, as the few-row path reads its one row block, a 32-row
+ * decode step's linears took ~10% longer: medians of 20 interleaved runs,
+ * benchmarks/linear_floor.c's shapes, Xeon model 207, 2026-12-01); each thread takes its contiguous run of feature-block pairs, as
  * the few-row path does, and passes over it once per panel of rows small
  * enough to stay in L2 (AMX_PANEL_BYTES of packed rows), reusing each pair
  * of weight blocks from L1 for every row block of the panel. Panels of
@@ -242,7 +189,7 @@ static inline void thread_groups(int64_t groups, int64_t me, int64_t nt, int64_t
  * summed over the same column blocks in the same order, from zero, as in
  * amx_groups, and rounded by store_block: a row's bits are those of the
  * few-row path, whatever the number of rows. */
-#define BATON_AMX_MANY_ROWS 32
+#define BATON_AMX_MANY_ROWS 16
 #define AMX_PANEL_BYTES (256 * 1024)
 
 /* Rows [16 * r0, 16 * r1) of x [M][K] into xa in tile order (block (r, j)
