@@ -21,6 +21,83 @@
 #define PAR_MIN_ELEMS 16384
 
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+/* Sixteen bf16 values widened to float32 (exact). */
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Sixteen float32 values rounded to bf16 (to nearest even, as
+ * baton_store_bf16's sixteen-lane loop). */
+static inline __m256i narrow16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+static inline __m512 widen16i(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* One row of rms_norm_bf16: x and d (n floats of scratch), wf (the weight
+ * widened), xr (n bf16 of scratch). Where the build has AVX512_BF16 the row
+ * takes two passes over sixteen lanes at a time (the residual add, its
+ * rounding and the widened copy; then the norm, its two roundings and the
+ * weight), the same operations on each element as the pass-per-step code
+ * below, which the other builds and the last n % 16 elements take. */
+static inline void rms_norm_bf16_row(uint16_t *r, const uint16_t *delta, const float *wf,
+                                     uint16_t *out, float *x, float *d, uint16_t *xr,
+                                     int64_t n, float eps) {
+    int64_t i0 = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    i0 = n / 16 * 16;
+    for (int64_t i = 0; i < i0; i += 16) {
+        __m512 v = widen16(r + i);
+        if (delta != 0) {
+            const __m256i h = narrow16(_mm512_add_ps(v, widen16(delta + i)));
+            _mm256_storeu_si256((__m256i *)(r + i), h);
+            v = widen16i(h);
+        }
+        _mm512_storeu_ps(x + i, v);
+    }
+#endif
+    const int64_t m = n - i0;
+    if (m > 0) {
+        float *xt = x + i0;
+        baton_load_bf16(r + i0, xt, m);
+        if (delta != 0) {
+            baton_load_bf16(delta + i0, d, m);
+            #pragma omp simd
+            for (int64_t i = 0; i < m; i++) xt[i] += d[i];
+            /* The residual stream stays bf16: round, and norm the rounded values. */
+            baton_store_bf16(xt, r + i0, m);
+            baton_load_bf16(r + i0, xt, m);
+        }
+    }
+    const float inv = baton_inv_rms(x, n, eps);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < i0; i += 16) {
+        /* The reference's order: the normed row is rounded to bf16 before
+         * the weight multiplies it (then the product is rounded). Rounding
+         * once instead is no less accurate, but it moves near-ties of the
+         * greedy choice away from what transformers and the torch ops
+         * pick in bf16. */
+        const __m512 normed = widen16i(narrow16(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv)));
+        _mm256_storeu_si256((__m256i *)(out + i),
+                            narrow16(_mm512_mul_ps(normed, _mm512_loadu_ps(wf + i))));
+    }
+#endif
+    if (m > 0) {
+        float *xt = x + i0;
+        #pragma omp simd
+        for (int64_t i = 0; i < m; i++) xt[i] *= inv;
+        baton_store_bf16(xt, xr, m);
+        baton_load_bf16(xr, xt, m);
+        #pragma omp simd
+        for (int64_t i = 0; i < m; i++) xt[i] *= wf[i0 + i];
+        baton_store_bf16(xt, out + i0, m);
+    }
+}
+
 int baton_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *w,
                         uint16_t *out, int64_t T, int64_t n, float eps, int num_threads) {
     #pragma omp parallel num_threads(num_threads) if (T * n >= PAR_MIN_ELEMS)
@@ -33,29 +110,8 @@ int baton_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_
         #pragma omp for
         for (int64_t t = 0; t < T; t++) {
             if (buf == NULL) continue;
-            uint16_t *r = residual + t * n;
-            baton_load_bf16(r, x, n);
-            if (delta != 0) {
-                baton_load_bf16(delta + t * n, d, n);
-                #pragma omp simd
-                for (int64_t i = 0; i < n; i++) x[i] += d[i];
-                /* The residual stream stays bf16: round, and norm the rounded values. */
-                baton_store_bf16(x, r, n);
-                baton_load_bf16(r, x, n);
-            }
-            const float inv = baton_inv_rms(x, n, eps);
-            #pragma omp simd
-            for (int64_t i = 0; i < n; i++) x[i] *= inv;
-            /* The reference's order: the normed row is rounded to bf16 before
-             * the weight multiplies it (then the product is rounded). Rounding
-             * once instead is no less accurate, but it moves near-ties of the
-             * greedy choice away from what transformers and the torch ops
-             * pick in bf16. */
-            baton_store_bf16(x, xr, n);
-            baton_load_bf16(xr, x, n);
-            #pragma omp simd
-            for (int64_t i = 0; i < n; i++) x[i] *= wf[i];
-            baton_store_bf16(x, out + t * n, n);
+            rms_norm_bf16_row(residual + t * n, delta != 0 ? delta + t * n : 0, wf,
+                              out + t * n, x, d, xr, n, eps);
         }
         free(buf);
     }
@@ -70,9 +126,28 @@ int baton_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64
         #pragma omp for
         for (int64_t t = 0; t < T; t++) {
             if (buf == NULL) continue;
-            baton_load_bf16(gate_up + t * 2 * I, buf, 2 * I);
-            baton_silu_mul_row(buf, buf + I, buf + 2 * I, I);
-            baton_store_bf16(buf + 2 * I, out + t * I, I);
+            const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
+            uint16_t *o = out + t * I;
+            int64_t i0 = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+            /* Straight from bf16 to bf16, sixteen lanes at a time: the
+             * operations of baton_silu_mul_row's sixteen-lane loop. */
+            i0 = I / 16 * 16;
+            const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+            for (int64_t i = 0; i < i0; i += 16) {
+                const __m512 gv = widen16(g + i);
+                const __m512 e = baton_exp512(_mm512_sub_ps(zero, gv));
+                _mm256_storeu_si256((__m256i *)(o + i), narrow16(_mm512_mul_ps(
+                    _mm512_div_ps(gv, _mm512_add_ps(one, e)), widen16(u + i))));
+            }
+#endif
+            const int64_t m = I - i0;
+            if (m > 0) {
+                baton_load_bf16(g + i0, buf, m);
+                baton_load_bf16(u + i0, buf + I, m);
+                baton_silu_mul_row(buf, buf + I, buf + 2 * I, m);
+                baton_store_bf16(buf + 2 * I, o + i0, m);
+            }
         }
         free(buf);
     }
