@@ -236,6 +236,26 @@ def test_bf16_rms_norm_and_silu_round_like_the_reference(kind):
                                (F.silu(g) * u).to(torch.bfloat16).float(), **BF16_ULP)
 
 
+def test_bf16_rms_norm_in_sixteen_lane_passes_gives_the_pass_per_step_bits():
+    """The AVX512_BF16 build norms a bf16 row sixteen elements at a time in
+    registers (two passes); the AVX-512 build without bf16 takes a pass per
+    step over float32 copies. Same operations, same sixteen-lane sum: the
+    same bits, residual and output, over a width with a sixteen-lane body
+    and a tail, with and without the residual add."""
+    _kind_or_skip("avx512")
+    _kind_or_skip("avx512_bf16")
+    gen = torch.Generator().manual_seed(23)
+    t, n = 7, 576 + 16 + 5
+    residual, delta, w = _bf16(t, n, gen=gen, scale=3), _bf16(t, n, gen=gen), _bf16(n, gen=gen)
+    residual[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3e38, -3e38, 1.0, -1.0])
+    for d in (delta, None):
+        outs = []
+        for name in ("avx512", "avx512_bf16"):
+            r = residual.clone()
+            outs.append((torch.ops.baton.rms_norm(r, d, w, 1e-6, native.kind_id(name)), r))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_bf16_qkv_rope_store_matches_float32_rounded(kind, qk_norm):
     k = native.kind_id(kind)
