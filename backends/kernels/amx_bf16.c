@@ -172,15 +172,16 @@ static inline void thread_groups(int64_t groups, int64_t me, int64_t nt, int64_t
     *g1 = 2 * p1 < groups ? 2 * p1 : groups;
 }
 
-/* ---- Many rows (decode batches above 16, prefill chunks): more than
- * BATON_AMX_MANY_ROWS ----------
+/* ---- Many rows: more than BATON_AMX_MANY_ROWS (decode batches above 16,
+ * prefill chunks) ----------
  * The rows are packed once into tile order (row block r, column block j: 16
  * rows x 32 columns, 1 KB contiguous), so an A tile is one contiguous
- * kilobyte the prefetcher follows (read with the stride of a row, sixteen
+ * kilobyte the prefetcher follows. (Read with the stride of a row, sixteen
  * lines a row apart, as the few-row path reads its one row block, a 32-row
- * decode step's linears took ~10% longer: medians of 20 interleaved runs,
- * benchmarks/linear_floor.c's shapes, Xeon model 207, 2026-12-01); each thread takes its contiguous run of feature-block pairs, as
- * the few-row path does, and passes over it once per panel of rows small
+ * decode step's linears took ~10% longer: medians of 16-20 interleaved runs,
+ * benchmarks/linear_floor.c's shapes, Xeon model 207, 2026-12-01.) Each
+ * thread takes its contiguous run of feature-block pairs, as the few-row
+ * path does, and passes over it once per panel of rows small
  * enough to stay in L2 (AMX_PANEL_BYTES of packed rows), reusing each pair
  * of weight blocks from L1 for every row block of the panel. Panels of
  * 256 KB measured ahead of 512 KB-1.5 MB at 2048 rows on the Xeon model 207

@@ -388,11 +388,12 @@ int baton_attention_amx(int mode);
  * lines of the 1 KB block), asked for ahead of its use; the gemv and the AMX
  * tile linear stream W this way (for 17-32 rows, a pair of blocks asked for
  * 8 ahead into L2 and 1 into L1 measured slower, once the tile linear packed
- * those rows: docs/benchmarks.md, session 10). With it a whole-step decode of one row took 16-17 ms
- * instead of 20-21 on the Xeon (model 207), four rows 25 ms instead of 33,
- * and the avx2 build's gemv streamed ~20% faster there too
- * (docs/benchmarks.md, session 7). Past a block row's end it fetches the
- * next one, which the same thread reads next (a static share of rows). */
+ * those rows: docs/benchmarks.md, session 10). With it a whole-step decode
+ * of one row took 16-17 ms instead of 20-21 on the Xeon (model 207), four
+ * rows 25 ms instead of 33, and the avx2 build's gemv streamed ~20% faster
+ * there too (docs/benchmarks.md, session 7). Past a block row's end it
+ * fetches the next one, which the same thread reads next (a static share of
+ * rows). */
 #ifndef BATON_GEMV_PF_AHEAD
 #define BATON_GEMV_PF_AHEAD 2
 #endif
