@@ -58,9 +58,14 @@ INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # those, and its packed copy of the weights stays.
 AMX_LINEAR_ROWS = 32
 AMX_PREFILL_ROWS = 512
+# Rows of the whole-step decode (one native call a step, no Python between
+# the ops: ~4-6 ms of a c=32 step, docs/benchmarks.md, session 10) where its
+# linears run on AMX tiles; the gemv's 4 elsewhere. decode_bf16.c's
+# BATON_WHOLE_STEP_AMX_ROWS.
+WHOLE_STEP_AMX_ROWS = 32
 # Rows a plain greedy step may have for its pick to go through the int8
 # screen of the output projection (greedy_screen.c takes up to 4: the
-# whole-step decode's rows, where the projection is ~21% of what a step
+# gemv's rows, where the projection is ~21% of what a step
 # reads; at 32 rows its float32 products, ~0.9 G a step for SmolLM2, would
 # take longer than reading the whole bf16 projection).
 GREEDY_SCREEN_ROWS = 4
@@ -438,6 +443,8 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # the gemv's order is its own), so a prefix-cache hit that recomputes a
     # prompt's tail computes what the cold prefill did, wherever the cold
     # prefill's step held up to AMX_PREFILL_ROWS tokens.
+    if amx_rows:
+        whole_step = WHOLE_STEP_AMX_ROWS
     if amx_rows and options.amx_prefill:
         linear = lm_head = "bf16-amx+onednn"
         amx_rows = AMX_PREFILL_ROWS

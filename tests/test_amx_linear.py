@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from backends import kernels as native
-from backends.execution import (AMX_LINEAR_ROWS, AMX_PREFILL_ROWS, CPU_KINDS, Availability,
+from backends.execution import (AMX_LINEAR_ROWS, AMX_PREFILL_ROWS, CPU_KINDS,
+                                WHOLE_STEP_AMX_ROWS, Availability,
                                 CpuFeatures, ExecutionOptions, make_plan)
 from backends.factory import BackendConfig, create_backend
 from backends.loader import load_model
@@ -225,7 +226,10 @@ def test_plan_gives_every_bf16_row_to_amx_only_where_it_runs():
     assert decode_only.amx_linear_rows == AMX_LINEAR_ROWS
     assert f"amx-tile linear <= {AMX_LINEAR_ROWS} rows" in decode_only.describe()
     assert (decode_only.linear, decode_only.lm_head) == ("bf16-gemv+onednn",) * 2
-    assert decode_only.whole_step_decode == plan.whole_step_decode == 4
+    # the whole-step decode takes a c=32 step on the tiles too (the
+    # many-row tile linear inside its parallel region)
+    assert decode_only.whole_step_decode == plan.whole_step_decode == WHOLE_STEP_AMX_ROWS
+    assert f"whole-step decode <= {WHOLE_STEP_AMX_ROWS} rows" in plan.describe()
     no_tiles = Availability(native_kernels=ALL.native_kernels, onednn_dtypes=ALL.onednn_dtypes)
     others = [make_plan("cpu", "bfloat16", "none", ZEN4, ALL),
               make_plan("cpu", "bfloat16", "none", AMX, no_tiles),
@@ -272,18 +276,23 @@ def _backend(path, amx: bool, amx_prefill: bool = True):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_amx_decode_batches_agree_with_onednn(request, arch):
-    """A native-bf16 backend whose decode batches of 5-8 rows run on the AMX
-    tile linear (amx_prefill=False) against the same plan on oneDNN: the
+    """A native-bf16 backend whose decode batches of 5-8 rows run layer by
+    layer on the AMX tile linear (amx_prefill=False) against the same plan
+    on oneDNN: the
     same greedy tokens and logprobs to bf16 precision (only the summation
     order differs). Its prefill rows never take it: a prompt's prefill keeps
     oneDNN's summation order (the same greedy request twice gave two answers
     when a cache hit moved its prefill across the tile linear's row limit).
     The default plan (bf16-amx+onednn) gives every row to the tile linear, prefill
-    rows included: the same tokens again."""
+    rows included, and its decode steps to the whole-step decode: the same
+    tokens again."""
     _amx_or_skip()
     path = request.getfixturevalue(f"tiny_{arch}_dir")
     fast, onednn = _backend(path, amx=True, amx_prefill=False), _backend(path, amx=False)
     assert fast.plan.amx_linear_rows == AMX_LINEAR_ROWS and onednn.plan.amx_linear_rows == 0
+    # the layer path's linears (the whole-step decode takes up to 32 rows on
+    # the tiles otherwise; test_native_bf16_whole_step_decode_agrees_with_its_layer_path)
+    fast._whole_step = None
     counting = _Counting(fast.model.lm_head.amx)
     for module in [*fast.model.modules()]:
         if getattr(module, "amx", None) is not None:

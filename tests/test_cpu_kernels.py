@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from backends import kernels as native
-from backends.execution import CPU_KINDS, Availability, CpuFeatures, ExecutionOptions, make_plan
+from backends.execution import (CPU_KINDS, WHOLE_STEP_AMX_ROWS, Availability, CpuFeatures,
+                                ExecutionOptions, make_plan)
 from backends.factory import BackendConfig, create_backend, plan_for
 from backends.interface import SamplingParams, ScheduledRequest, SchedulerOutput
 from backends.linear import PackedLinear, packing_supported, prepack_linears
@@ -699,23 +700,27 @@ class _CountingDecode:
         self.rows.append(hidden.shape[0])
         return self.whole_step(hidden, *args)
 
-def _assert_whole_step_matches_layers(fast, layered, kind, *, seed: int, vocab_hi: int) -> None:
-    """Runs batches of 1, 4 and 5 prompts on `fast` with kind's whole-step
-    decode and on `layered` without one: the same greedy tokens, logprobs
-    within 0.01, and the whole step taken for every decode step of <= 4 rows
-    and never for more."""
-    fast._whole_step = _CountingDecode(fast._native_decode(kind))
+def _assert_whole_step_matches_layers(fast, layered, kind, *, seed: int, vocab_hi: int,
+                                      sizes: tuple[int, ...] = (1, 4, 5)) -> None:
+    """Runs batches of each of `sizes` prompts on `fast` with kind's
+    whole-step decode and on `layered` without one: the same greedy tokens,
+    logprobs within 0.01, and the whole step taken for every decode step of
+    up to its max_rows rows (4; 32 on AMX tiles) and never for more."""
+    whole = _CountingDecode(fast._native_decode(kind))
+    fast._whole_step = whole
     layered._whole_step = None
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab_hi, (n,), generator=gen).tolist() for n in (1, 9, 3, 6, 2)]
-    for n in (1, 4, 5):
-        fast._whole_step.rows.clear()
+    lengths = (1, 9, 3, 6, 2)
+    prompts = [torch.randint(3, vocab_hi, (lengths[i % 5],), generator=gen).tolist()
+               for i in range(max(sizes))]
+    for n in sizes:
+        whole.rows.clear()
         ids_a, lp_a = _run(fast, prompts[:n], 8)
         ids_b, lp_b = _run(layered, prompts[:n], 8)
         assert ids_a == ids_b
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
         steps = 9 if n == 1 else 8
-        assert fast._whole_step.rows == ([n] * steps if n <= 4 else [])
+        assert whole.rows == ([n] * steps if n <= whole.max_rows else [])
 
 
 
@@ -806,17 +811,24 @@ def test_native_bf16_whole_step_decode_agrees_with_its_layer_path(kind, request,
         pytest.skip(f"this CPU ({CPU.describe()}) has no native bf16: its plans never "
                     "run the bf16 whole-step decode")
     path = request.getfixturevalue(f"tiny_{arch}_dir")
-    fast = _backend(path, "bfloat16")
+    blocks = 8 * 33 + 8  # _run's tables: eight blocks a prompt, for up to 33 prompts
+    fast = _backend(path, "bfloat16", num_kv_blocks=blocks)
     plan = fast.plan
-    # on AMX machines every layer row takes the AMX tile linear (bf16-amx+onednn)
+    # on AMX machines every layer row takes the AMX tile linear (bf16-amx+onednn),
+    # and the whole-step decode takes up to 32 rows (its linears on the tiles)
+    rows = WHOLE_STEP_AMX_ROWS if plan.amx_linear_rows else 4
     assert (plan.activation_dtype, plan.linear, plan.whole_step_decode) == (
-        "bfloat16", "bf16-amx+onednn" if plan.amx_linear_rows else "bf16-gemv+onednn", 4)
-    assert "whole-step decode <= 4 rows" in plan.describe()
-    layered = _backend(path, "bfloat16")
+        "bfloat16", "bf16-amx+onednn" if plan.amx_linear_rows else "bf16-gemv+onednn", rows)
+    assert f"whole-step decode <= {rows} rows" in plan.describe()
+    layered = _backend(path, "bfloat16", num_kv_blocks=blocks)
     # Only the summation order may differ (here: none at all between the
     # avx512_bf16 step and the layers' gemv); the same step without its bf16
-    # roundings is 0.03-0.1 off and changes tokens.
-    _assert_whole_step_matches_layers(fast, layered, kind, seed=17, vocab_hi=500)
+    # roundings is 0.03-0.1 off and changes tokens. The plan's own kind on
+    # AMX: 20 rows (the many-row tile linear, the bf16 attention scores of
+    # one task a row) and 33 (past its rows: the layer path).
+    wide = kind == plan.kernels and rows > 4
+    _assert_whole_step_matches_layers(fast, layered, kind, seed=17, vocab_hi=500,
+                                      sizes=(1, 4, 5, 20, 33) if wide else (1, 4, 5))
 
 
 def test_numerics_do_not_depend_on_the_compiler(tiny_llama_dir):

@@ -214,11 +214,11 @@ static void pack_row_blocks(const uint16_t *x, uint16_t *xa, int64_t M, int64_t 
 
 /* Feature blocks [g0, g1) for row blocks [r0, r1) of the packed rows xa:
  * C[mi][gi] in tmm(2 * mi + gi), A in tmm 4 and 5, B in tmm 6 and 7, as in
- * amx_groups. Results (bf16) into y. */
+ * amx_groups. Results into y16 (bf16) or, when y16 is NULL, yf (store_block). */
 BATON_AMX_TARGET static void amx_many_panel(const uint16_t *xa, int64_t kb, const uint16_t *w,
-                                            const float *bias, uint16_t *y, int64_t M,
-                                            int64_t N, int64_t g0, int64_t g1, int64_t r0,
-                                            int64_t r1) {
+                                            const float *bias, uint16_t *y16, float *yf,
+                                            int64_t M, int64_t N, int64_t g0, int64_t g1,
+                                            int64_t r0, int64_t r1) {
     const int64_t wrow = BATON_GEMV_BLOCK * kb;  /* bf16 values per feature block */
     for (int64_t g = g0; g < g1; g += 2) {
         const int two = g + 1 < g1;
@@ -244,21 +244,31 @@ BATON_AMX_TARGET static void amx_many_panel(const uint16_t *xa, int64_t kb, cons
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
-            store_tiles(bias, y, 0, M, N, g, two, r, twom);
+            store_tiles(bias, y16, yf, M, N, g, two, r, twom);
         }
     }
 }
 
 /* One thread's feature blocks [g0, g1) for every row block, panel by panel. */
 BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, const uint16_t *w,
-                                             const float *bias, uint16_t *y, int64_t M,
-                                             int64_t N, int64_t g0, int64_t g1,
+                                             const float *bias, uint16_t *y16, float *yf,
+                                             int64_t M, int64_t N, int64_t g0, int64_t g1,
                                              int64_t rblocks, int64_t panel) {
     load_tile_config(16);
     for (int64_t r0 = 0; r0 < rblocks; r0 += panel)
-        amx_many_panel(xa, kb, w, bias, y, M, N, g0, g1, r0,
+        amx_many_panel(xa, kb, w, bias, y16, yf, M, N, g0, g1, r0,
                        r0 + panel < rblocks ? r0 + panel : rblocks);
     _tile_release();
+}
+
+/* Row blocks per panel (an even number, at least two; panels of nearly
+ * equal sizes) for rblocks row blocks of kb column blocks. */
+static int64_t many_panel(int64_t kb, int64_t rblocks) {
+    int64_t panel = AMX_PANEL_BYTES / (kb * BATON_GEMV_BLOCK * 2);
+    panel = panel < 2 ? 2 : panel;
+    const int64_t npanels = (rblocks + panel - 1) / panel;
+    panel = (rblocks + npanels - 1) / npanels;
+    return panel + (panel & 1);
 }
 
 static int amx_linear_many(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
@@ -266,13 +276,7 @@ static int amx_linear_many(const uint16_t *x, const uint16_t *w, const uint16_t 
     const int64_t kb = baton_round_up(K, BATON_GEMV_TILE_COLS) / BATON_GEMV_TILE_COLS;
     const int64_t rblocks = baton_round_up(M, 16) / 16;
     const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
-    /* row blocks per panel: an even number, at least two */
-    int64_t panel = AMX_PANEL_BYTES / (kb * BATON_GEMV_BLOCK * 2);
-    panel = panel < 2 ? 2 : panel;
-    /* as many panels as that takes, of even, nearly equal sizes */
-    const int64_t npanels = (rblocks + panel - 1) / panel;
-    panel = (rblocks + npanels - 1) / npanels;
-    panel += panel & 1;
+    const int64_t panel = many_panel(kb, rblocks);
     uint16_t *xa = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * rblocks * kb * BATON_GEMV_BLOCK);
     float *bf = (float *)malloc(sizeof(float) * (N + 1));
     if (xa == NULL || bf == NULL) {
@@ -288,7 +292,8 @@ static int amx_linear_many(const uint16_t *x, const uint16_t *w, const uint16_t 
         int64_t g0, g1;
         thread_groups(groups, me, nt, &g0, &g1);
         #pragma omp barrier
-        if (g0 < g1) amx_many_thread(xa, kb, w, bias ? bf : 0, y, M, N, g0, g1, rblocks, panel);
+        if (g0 < g1)
+            amx_many_thread(xa, kb, w, bias ? bf : 0, y, 0, M, N, g0, g1, rblocks, panel);
     }
     free(xa);
     free(bf);
@@ -344,6 +349,28 @@ void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *
     int64_t g0, g1;
     thread_groups(groups, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
     if (g0 < g1) amx_groups(xb, M, kp, w, bias, 0, y, M, N, g0, g1);
+    #pragma omp barrier
+}
+
+/* The same for more than sixteen rows (up to BATON_WHOLE_STEP_AMX_ROWS):
+ * the many-row path, through xa (round_up(M, 16) / 16 * round_up(K, 32) /
+ * 32 KB, shared by the threads): each thread packs its share of the row
+ * blocks, then, after a barrier, takes its run of block pairs, so a row's
+ * result is baton_linear_amx_bf16's to the bit. Ends with a barrier. */
+void baton_linear_amx_tiles_many(const uint16_t *xb, uint16_t *xa, const uint16_t *w,
+                                 const float *bias, float *y, int64_t M, int64_t N,
+                                 int64_t K) {
+    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS), kb = kp / BATON_GEMV_TILE_COLS;
+    const int64_t rblocks = baton_round_up(M, 16) / 16;
+    const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
+    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+    /* xb's rows are already zero-padded to kp columns */
+    pack_row_blocks(xb, xa, M, kp, kb, rblocks * me / nt, rblocks * (me + 1) / nt);
+    int64_t g0, g1;
+    thread_groups(groups, me, nt, &g0, &g1);
+    #pragma omp barrier
+    if (g0 < g1) amx_many_thread(xa, kb, w, bias, 0, y, M, N, g0, g1, rblocks,
+                                 many_panel(kb, rblocks));
     #pragma omp barrier
 }
 #else

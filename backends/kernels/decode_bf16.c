@@ -1,7 +1,8 @@
 /* A whole decode step of a Llama/Qwen2/Qwen3 decoder in one call, for a few
- * sequences (1..BATON_GEMV_MAX_ROWS), with bfloat16 weights (kernels.h's
- * tiled layout), float32 arithmetic and activations, and a float32 or
- * bfloat16 KV cache.
+ * sequences (1..BATON_GEMV_MAX_ROWS; up to BATON_WHOLE_STEP_AMX_ROWS where
+ * the linears run on AMX tiles), with bfloat16 weights (kernels.h's tiled
+ * layout), float32 arithmetic and activations, and a float32 or bfloat16 KV
+ * cache.
  *
  * Decoding one sequence is bound by reading the weights: ~270 MB for
  * SmolLM2-135M in bf16, ~10 ms at this class of machine's memory bandwidth.
@@ -29,7 +30,11 @@
  * kernels and oneDNN's bf16 linears compute, in another summation order;
  * builds for AVX512_BF16 multiply with VDPBF16PS (gemv_bf16.c), or, where
  * the plan gives decode batches to the AMX tile linear (amx), on AMX tiles
- * (baton_linear_amx_tiles: a row's result is the tile linear's, bit for bit).
+ * (baton_linear_amx_tiles, and above 16 rows baton_linear_amx_tiles_many:
+ * a row's result is the tile linear's, bit for bit). Above
+ * BATON_GEMV_MAX_ROWS rows (a c=32 step) the attention scores are bf16 dot
+ * products of a bf16 copy of q (on AMX tiles), one task a row once there
+ * are two rows a thread, as baton_paged_decode_attention_bf16 takes them.
  *
  * With int4 weights (int4_group > 0: int4 and Q4 GGUF projections) the four
  * matrices are gemv_q4.c's panels instead, multiplied as torch's int4 kernel
@@ -38,6 +43,8 @@
  * and bias are passed as float32 either way (bf16 values widened, for
  * act_bf16); the rotary tables are the model's own, bf16 for act_bf16.
  */
+#include <omp.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -120,10 +127,12 @@ static inline void gemv_input(const baton_model *m, const float *x, float *xp, u
     baton_gemv_pad(x, xp, K);
 }
 
-/* y [M, N] = rows @ W^T (+ bias), from gemv_input's rows; worksharing. */
+/* y [M, N] = rows @ W^T (+ bias), from gemv_input's rows; worksharing
+ * (xa: the many-row tile linear's packed rows, for more than 16 on AMX). */
 static inline void gemv(const baton_model *m, const float *xp, const uint16_t *xb,
-                        const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
-                        int64_t K) {
+                        uint16_t *xa, const uint16_t *w, const float *bias, float *y,
+                        int64_t M, int64_t N, int64_t K) {
+    (void)xa;
     if (m->int4_group) {
         baton_gemv_q4_tiles(xp, baton_round_up(K, BATON_GEMV_TILE_COLS), (const uint8_t *)w,
                             bias, y, M, N, K, m->int4_group, (int)m->int4_form,
@@ -132,6 +141,12 @@ static inline void gemv(const baton_model *m, const float *xp, const uint16_t *x
     }
 #ifdef BATON_GEMV_DP
     if (m->act_bf16) {
+#ifdef BATON_AMX
+        if (m->amx && M > 16) {
+            baton_linear_amx_tiles_many(xb, xa, w, bias, y, M, N, K);
+            return;
+        }
+#endif
         if (m->amx) baton_linear_amx_tiles(xb, w, bias, y, M, N, K);
         else baton_gemv_tiles_bf16x(xb, w, bias, y, M, N, K);
         return;
@@ -141,11 +156,22 @@ static inline void gemv(const baton_model *m, const float *xp, const uint16_t *x
     baton_gemv_tiles(xp, w, bias, y, M, N, K, (int)m->act_bf16);
 }
 
+/* Rows a step may have: BATON_WHOLE_STEP_AMX_ROWS where the linears run on
+ * AMX tiles (bf16 activations; the many-row tile linear above 16 rows, the
+ * bf16 attention scores above BATON_GEMV_MAX_ROWS), else the gemv's. */
+static int64_t decode_max_rows(const baton_model *m) {
+#ifdef BATON_AMX
+    if (m->amx && m->act_bf16 && !m->int4_group) return BATON_WHOLE_STEP_AMX_ROWS;
+#endif
+    (void)m;
+    return BATON_GEMV_MAX_ROWS;
+}
+
 int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                       const int64_t *positions, const int64_t *slot_mapping,
                       const int64_t *block_tables, int64_t max_blocks,
                       const int64_t *ctx_lens, int64_t max_ctx, float *out, int num_threads) {
-    if (M < 1 || M > BATON_GEMV_MAX_ROWS) return 1;
+    if (M < 1 || M > decode_max_rows(m)) return 1;
     if (m->int4_group && (m->int4_group % 2 || m->hidden % m->int4_group ||
                           (m->num_heads * m->head_dim) % m->int4_group ||
                           m->intermediate % m->int4_group))
@@ -163,18 +189,32 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
     const int64_t n_xp = M * max64(kp_h, max64(kp_q, kp_i));
     const int64_t n_x = M * max64(Hd, Q);
     /* xb (bf16 input rows) takes half of n_xp floats */
-    const int64_t total = 2 * n_xp + n_x + M * NQKV + 2 * M * Q + M * Hd + 3 * M * I;
+    /* Above BATON_GEMV_MAX_ROWS: the query in bf16 (M * Q values) for the
+     * attention's bf16 scores, and the many-row tile linear's packed rows
+     * (xa: whole row blocks) */
+    const int64_t wide = M > BATON_GEMV_MAX_ROWS;
+    const int64_t n_xa = wide ? baton_round_up(M, 16) * max64(kp_h, max64(kp_q, kp_i)) : 0;
+    const int64_t total = 2 * n_xp + n_x + M * NQKV + 2 * M * Q + M * Hd + 3 * M * I +
+                          (wide ? (M * Q + n_xa) / 2 + 32 : 0);
     float *buf = (float *)malloc(sizeof(float) * total);
     if (buf == NULL) return 2;
     float *xp = buf, *x = xp + n_xp, *qkv = x + n_x, *q = qkv + M * NQKV, *attn = q + M * Q;
     float *delta = attn + M * Q, *gu = delta + M * Hd, *act = gu + 2 * M * I;
     uint16_t *xb = (uint16_t *)(act + M * I);
+    /* after xb (n_xp floats' room, half of it used): qb, then xa 64-byte aligned */
+    uint16_t *qb = (uint16_t *)(act + M * I + n_xp);
+    uint16_t *xa = wide ? (uint16_t *)(((uintptr_t)(qb + M * Q) + 63) & ~(uintptr_t)63) : NULL;
     const int rb = (int)m->act_bf16;
     int failed = 0;
 
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * H * (max_ctx > 0 ? max_ctx : 1));
+        /* the bf16 scores (wide steps) take rows of round_up(H, 16) over
+         * round_up(max_ctx, 16) positions */
+        const int64_t ctx = max_ctx > 0 ? max_ctx : 1;
+        float *scores = (float *)malloc(sizeof(float) * (wide ? (H + 15) / 16 * 16 *
+                                                         baton_round_up(ctx, 16) : H * ctx));
+        const int64_t nt = omp_get_num_threads();
         float *acc = (float *)malloc(sizeof(float) * (H * D + 2 * D));
         float *rope = acc + H * D;  /* a position's cos and sin rows, widened (act_bf16) */
         int ok = scores != NULL && acc != NULL;
@@ -192,7 +232,7 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                          x + t * Hd, Hd);
                 gemv_input(m, x + t * Hd, xp + t * kp_h, xb + t * kp_h, Hd);
             }
-            gemv(m, xp, xb, ly->qkv_w, ly->qkv_bias, qkv, M, NQKV, Hd);
+            gemv(m, xp, xb, xa, ly->qkv_w, ly->qkv_bias, qkv, M, NQKV, Hd);
 
             #pragma omp for
             for (int64_t t = 0; t < M; t++) {
@@ -212,15 +252,24 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                 if (rb) baton_round_bf16_row(q + t * Q, Q);
             }
 
-            /* One task per (row, kv head): with one row, every thread works. */
+            /* One task per (row, kv head): with one row, every thread works.
+             * A wide step (more rows than the gemv's) scores in bf16 from a
+             * bf16 copy of q (exact: q holds bf16 values), one task per row
+             * once there are two rows per thread, as the layer path's
+             * baton_paged_decode_attention_bf16 does. */
+            if (wide) {
+                #pragma omp for
+                for (int64_t t = 0; t < M; t++) baton_store_bf16(q + t * Q, qb + t * Q, Q);
+            }
+            const int64_t splits = wide && M >= 2 * nt ? 1 : KVH, per = H / splits;
             #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < M * KVH; task++) {
+            for (int64_t task = 0; task < M * splits; task++) {
                 if (!ok) continue;
-                const int64_t h0 = (task % KVH) * (H / KVH);
-                baton_attention_task(q, ly->k_cache, ly->v_cache, (int)m->kv_bf16,
-                                     block_tables, ctx_lens,
-                                     attn, task / KVH, h0, h0 + H / KVH, H, KVH, D,
-                                     max_blocks, m->block_size, m->scale, scores, acc);
+                const int64_t h0 = (task % splits) * per;
+                baton_attention_task_qb(q, wide ? qb : NULL, ly->k_cache, ly->v_cache,
+                                        (int)m->kv_bf16, block_tables, ctx_lens,
+                                        attn, task / splits, h0, h0 + per, H, KVH, D,
+                                        max_blocks, m->block_size, m->scale, scores, acc);
             }
 
             #pragma omp for
@@ -228,14 +277,14 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                 if (rb) baton_round_bf16_row(attn + t * Q, Q);
                 gemv_input(m, attn + t * Q, xp + t * kp_q, xb + t * kp_q, Q);
             }
-            gemv(m, xp, xb, ly->o_w, 0, delta, M, Hd, Q);
+            gemv(m, xp, xb, xa, ly->o_w, 0, delta, M, Hd, Q);
 
             #pragma omp for
             for (int64_t t = 0; t < M; t++) {
                 norm_row(m, hidden + t * Hd, delta + t * Hd, ly->post_norm, x + t * Hd, Hd);
                 gemv_input(m, x + t * Hd, xp + t * kp_h, xb + t * kp_h, Hd);
             }
-            gemv(m, xp, xb, ly->gate_up_w, 0, gu, M, 2 * I, Hd);
+            gemv(m, xp, xb, xa, ly->gate_up_w, 0, gu, M, 2 * I, Hd);
 
             #pragma omp for
             for (int64_t t = 0; t < M; t++) {
@@ -243,7 +292,7 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                 if (rb) baton_round_bf16_row(act + t * I, I);
                 gemv_input(m, act + t * I, xp + t * kp_i, xb + t * kp_i, I);
             }
-            gemv(m, xp, xb, ly->down_w, 0, delta, M, Hd, I);
+            gemv(m, xp, xb, xa, ly->down_w, 0, delta, M, Hd, I);
         }
         #pragma omp for
         for (int64_t t = 0; t < M; t++)

@@ -40,6 +40,8 @@
 #define baton_attention_amx BATON_FN(baton_attention_amx)
 #define baton_linear_amx_bf16 BATON_FN(baton_linear_amx_bf16)
 #define baton_linear_amx_tiles BATON_FN(baton_linear_amx_tiles)
+#define baton_linear_amx_tiles_many BATON_FN(baton_linear_amx_tiles_many)
+#define baton_attention_task_qb BATON_FN(baton_attention_task_qb)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
 #define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
 #define baton_gemv_q4_tiles BATON_FN(baton_gemv_q4_tiles)
@@ -346,6 +348,17 @@ void baton_attention_task(const float *q, const void *k_cache, const void *v_cac
                           int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
                           int64_t D, int64_t max_blocks, int64_t block_size, float scale,
                           float *scores, float *acc);
+/* The same given also the query in bf16 (qb [T, H, D], exact copies of q's
+ * values): with AVX512_BF16 and a bf16 cache the scores are then bf16 dot
+ * products (on AMX tiles where baton_attention_amx allows), as
+ * baton_paged_decode_attention_bf16 takes them. scores: round_up(H, 16) *
+ * round_up(max_ctx, 16) floats. */
+void baton_attention_task_qb(const float *q, const uint16_t *qb, const void *k_cache,
+                             const void *v_cache, int kv_bf16, const int64_t *block_tables,
+                             const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
+                             int64_t h1, int64_t H, int64_t KVH, int64_t D,
+                             int64_t max_blocks, int64_t block_size, float scale,
+                             float *scores, float *acc);
 
 /* The float32 decode attention (q, out [T, H, D] float32), given also the
  * query rounded to bf16 when that is exact (qb, or NULL): with AVX512_BF16
@@ -434,6 +447,16 @@ void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *
 void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
                             int64_t M, int64_t N, int64_t K);
 #endif
+#ifdef BATON_AMX
+/* The same for 17 <= M <= BATON_WHOLE_STEP_AMX_ROWS rows, packed through xa
+ * (round_up(M, 16) / 16 * round_up(K, 32) / 32 KB shared by the threads). */
+void baton_linear_amx_tiles_many(const uint16_t *xb, uint16_t *xa, const uint16_t *w,
+                                 const float *bias, float *y, int64_t M, int64_t N,
+                                 int64_t K);
+#endif
+/* Rows of the whole-step decode where its linears run on AMX tiles (a c=32
+ * decode step); BATON_GEMV_MAX_ROWS elsewhere. */
+#define BATON_WHOLE_STEP_AMX_ROWS 32
 
 /* ------------------------------------------------------- int4 gemv */
 /* Int4 weights in panels of 64 output rows (gemv_q4.c, which also says how

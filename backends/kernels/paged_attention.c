@@ -771,6 +771,16 @@ void baton_attention_task(const float *q, const void *k_cache, const void *v_cac
                    H, KVH, D, max_blocks, block_size, scale, scores, acc, NULL);
 }
 
+void baton_attention_task_qb(const float *q, const uint16_t *qb, const void *k_cache,
+                             const void *v_cache, int kv_bf16, const int64_t *block_tables,
+                             const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
+                             int64_t h1, int64_t H, int64_t KVH, int64_t D,
+                             int64_t max_blocks, int64_t block_size, float scale,
+                             float *scores, float *acc) {
+    attention_task(q, qb, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0, h1,
+                   H, KVH, D, max_blocks, block_size, scale, scores, acc, NULL);
+}
+
 int baton_paged_decode_attention_f32(
         const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
         const int64_t *block_tables, const int64_t *ctx_lens, float *out, float *lse,
