@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from backends.execution import WHOLE_STEP_AMX_ROWS
 from backends.progress import heartbeat
 
 log = logging.getLogger("baton.kernels")
@@ -504,7 +505,6 @@ class DecodeBf16:
         self._fn = getattr(lib, f"baton_decode_bf16_{kind}")
         self._fn.argtypes = [_p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
         self._fn.restype = ctypes.c_int
-        from backends.execution import WHOLE_STEP_AMX_ROWS
         # decode_bf16.c's BATON_WHOLE_STEP_AMX_ROWS with AMX tiles (the
         # many-row tile linear, bf16 attention scores), else the gemv's rows
         self.max_rows = WHOLE_STEP_AMX_ROWS if amx else GemvBf16.max_rows

@@ -91,12 +91,11 @@ BATON_AMX_TARGET static void store_block(const float *c, const float *bias, uint
     const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < mr; m++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + 16 * m), b);
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        const __m256i h = baton_narrow16(v);
         if (y16)
             _mm256_mask_storeu_epi16(y16 + (m0 + m) * N + n0, keep, h);
         else
-            _mm512_mask_storeu_ps(yf + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+            _mm512_mask_storeu_ps(yf + (m0 + m) * N + n0, keep, baton_widen16(h));
     }
 }
 

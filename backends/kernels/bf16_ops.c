@@ -21,22 +21,6 @@
 #define PAR_MIN_ELEMS 16384
 
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-/* Sixteen bf16 values widened to float32 (exact). */
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* Sixteen float32 values rounded to bf16 (to nearest even, as
- * baton_store_bf16's sixteen-lane loop). */
-static inline __m256i narrow16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
-static inline __m512 widen16i(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
 /* One row of rms_norm_bf16: x and d (n floats of scratch), wf (the weight
  * widened), xr (n bf16 of scratch). Where the build has AVX512_BF16 the row
  * takes two passes over sixteen lanes at a time (the residual add, its
@@ -50,11 +34,12 @@ static inline void rms_norm_bf16_row(uint16_t *r, const uint16_t *delta, const f
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     i0 = n / 16 * 16;
     for (int64_t i = 0; i < i0; i += 16) {
-        __m512 v = widen16(r + i);
+        __m512 v = baton_widen16(_mm256_loadu_si256((const __m256i *)(r + i)));
         if (delta != 0) {
-            const __m256i h = narrow16(_mm512_add_ps(v, widen16(delta + i)));
+            const __m256i h = baton_narrow16(_mm512_add_ps(
+                v, baton_widen16(_mm256_loadu_si256((const __m256i *)(delta + i)))));
             _mm256_storeu_si256((__m256i *)(r + i), h);
-            v = widen16i(h);
+            v = baton_widen16(h);
         }
         _mm512_storeu_ps(x + i, v);
     }
@@ -81,9 +66,10 @@ static inline void rms_norm_bf16_row(uint16_t *r, const uint16_t *delta, const f
          * once instead is no less accurate, but it moves near-ties of the
          * greedy choice away from what transformers and the torch ops
          * pick in bf16. */
-        const __m512 normed = widen16i(narrow16(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv)));
+        const __m512 normed =
+            baton_widen16(baton_narrow16(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv)));
         _mm256_storeu_si256((__m256i *)(out + i),
-                            narrow16(_mm512_mul_ps(normed, _mm512_loadu_ps(wf + i))));
+                            baton_narrow16(_mm512_mul_ps(normed, _mm512_loadu_ps(wf + i))));
     }
 #endif
     if (m > 0) {
@@ -135,10 +121,11 @@ int baton_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64
             i0 = I / 16 * 16;
             const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
             for (int64_t i = 0; i < i0; i += 16) {
-                const __m512 gv = widen16(g + i);
+                const __m512 gv = baton_widen16(_mm256_loadu_si256((const __m256i *)(g + i)));
                 const __m512 e = baton_exp512(_mm512_sub_ps(zero, gv));
-                _mm256_storeu_si256((__m256i *)(o + i), narrow16(_mm512_mul_ps(
-                    _mm512_div_ps(gv, _mm512_add_ps(one, e)), widen16(u + i))));
+                _mm256_storeu_si256((__m256i *)(o + i), baton_narrow16(_mm512_mul_ps(
+                    _mm512_div_ps(gv, _mm512_add_ps(one, e)),
+                    baton_widen16(_mm256_loadu_si256((const __m256i *)(u + i))))));
             }
 #endif
             const int64_t m = I - i0;

@@ -169,13 +169,23 @@ static inline float baton_round_bf16(float x) {
     return baton_bf16_to_f32(baton_f32_to_bf16(x));
 }
 
+#if defined(BATON_AVX2) && defined(__AVX512F__)
+/* Sixteen bf16 values widened to float32 (exact). */
+static inline __m512 baton_widen16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+/* Sixteen float32 values rounded to bf16, to nearest even. */
+static inline __m256i baton_narrow16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#endif
+
 /* dst[i] = bf16(x[i]), rounded to nearest even (NaN stays NaN). */
 static inline void baton_store_bf16(const float *x, uint16_t *dst, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
     for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+        _mm256_storeu_si256((__m256i *)(dst + i), baton_narrow16(_mm512_loadu_ps(x + i)));
 #elif defined(BATON_AVX2)
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
     for (; i + 8 <= n; i += 8) {
@@ -199,8 +209,7 @@ static inline void baton_load_bf16(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
 #if defined(BATON_AVX2) && defined(__AVX512F__)
     for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16)));
+        _mm512_storeu_ps(dst + i, baton_widen16(_mm256_loadu_si256((const __m256i *)(src + i))));
 #endif
 #ifdef BATON_AVX2
     for (; i + 8 <= n; i += 8)
@@ -215,11 +224,8 @@ static inline void baton_load_bf16(const uint16_t *src, float *dst, int64_t n) {
 static inline void baton_round_bf16_row(float *x, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-    for (; i + 16 <= n; i += 16) {
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-        _mm512_storeu_ps(x + i, _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(x + i, baton_widen16(baton_narrow16(_mm512_loadu_ps(x + i))));
 #endif
     for (; i < n; i++) x[i] = baton_round_bf16(x[i]);
 }

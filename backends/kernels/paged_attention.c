@@ -338,8 +338,7 @@ static void attention_task_grouped_bf16(const float *qt, const void *k_cache,
 
 static inline __m512 load16(const void *base, int64_t i, const int bf16) {
     if (bf16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        return baton_widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
     }
     return _mm512_loadu_ps((const float *)base + i);
 }
