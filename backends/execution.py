@@ -53,11 +53,14 @@ INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # weights (docs/benchmarks.md): ahead at 8-32 rows, even at 64. By default
 # (linear bf16-amx+onednn) it takes every call of up to AMX_PREFILL_ROWS
 # rows, prefill chunks included: level with oneDNN or ahead up to 512 rows
-# (prefill steps of 512 tokens ~12% faster), ~1.3x behind it at 2048 (a
-# burst's prefill-only step; docs/benchmarks.md, session 8), so oneDNN keeps
-# those, and its packed copy of the weights stays.
+# (prefill steps of 512 tokens ~12% faster; session 8), and, with the
+# row-major order above 256 rows, 13-31% ahead at 640-1024 (steps of 5-8
+# prompts of 128, or a larger token budget's mixed steps), level at 1536,
+# ~1.1x behind at 2048 (a burst's prefill-only step; docs/benchmarks.md,
+# session 11), so oneDNN keeps the calls above 1024 rows, and its packed
+# copy of the weights stays.
 AMX_LINEAR_ROWS = 32
-AMX_PREFILL_ROWS = 512
+AMX_PREFILL_ROWS = 1024
 # Rows of the whole-step decode (one native call a step, no Python between
 # the ops: ~4-6 ms of a c=32 step, docs/benchmarks.md, session 10) where its
 # linears run on AMX tiles; the gemv's 4 elsewhere. decode_bf16.c's

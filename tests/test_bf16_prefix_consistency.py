@@ -5,7 +5,7 @@ prefill's; a linear whose per-row result depends on how many rows share its
 call (oneDNN's bf16 linear does, above a few dozen columns) then gives the
 tail and the KV of its prefix other bits, and a near tie between two tokens
 can tip (session 7 saw "Say hello." answered differently when cached). On
-AMX machines every bf16 call of up to AMX_PREFILL_ROWS (512) rows goes
+AMX machines every bf16 call of up to AMX_PREFILL_ROWS (1024) rows goes
 through the AMX tile linear, whose rows do not depend on the batch (larger
 calls, a burst's prefill-only step, take oneDNN: not covered). Elsewhere (no
 AMX: the gemv and oneDNN split the rows by count) this consistency is not

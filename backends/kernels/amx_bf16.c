@@ -10,7 +10,7 @@
  * ms at 8 rows: at 32 rows it splits the rows over the threads, so both
  * threads read every weight. Here each thread streams its own share of the
  * output features once, for every row (docs/benchmarks.md has the figures).
- * On AMX machines the plan gives it prefill chunks too, calls of up to 512
+ * On AMX machines the plan gives it prefill chunks too, calls of up to 1024
  * rows (linear bf16-amx+onednn: a row's bits independent of the row count,
  * which keeps prefix-cache hits consistent). Up to sixteen rows stream the
  * weights past the rows as they are; more (a c=32 decode step, prefill
@@ -274,17 +274,16 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
  * [512 x 1536] x [576 x 1536] down projection 0.57-0.70 against 0.43-0.52
  * (Xeon model 207, 2026-12-01; chunks of 512 KB - 1 MB alike, 256 KB and 1.5
  * MB slower). With a model's worth of distinct weights streamed from memory
- * (30 layers of SmolLM2's four projections, 512 rows, old and new
- * alternating in one process), 1-13% less time a pass in eight runs; 2048
- * rows 13% less. The next chunk's weights are prefetched into L2 meanwhile.
- * A C element is summed
- * over the same column blocks in the same order as in amx_many_panel and
+ * (30 layers of SmolLM2's four projections, old and new alternating in one
+ * process), 0.74-1.02 of the time a pass at 512 rows in ten runs (median
+ * 0.95), 0.80-0.87 at 2048. The next chunk's weights are prefetched into L2
+ * meanwhile. A C element is summed over the same column blocks in the same order as in amx_many_panel and
  * amx_groups: the same bits. */
 #define AMX_WEIGHT_CHUNK (768 * 1024)
 /* Row blocks above which a call takes this order: at 128-256 rows the panel
  * order (weights read once, each pair reused from L1 by the panel's rows)
  * measured level or 2-5% ahead with a model's worth of streamed weights,
- * at 512 rows 1-13% behind. */
+ * at 512 rows ~5% behind (median). */
 #define AMX_ROW_MAJOR_BLOCKS 16
 
 BATON_AMX_TARGET static void amx_rows_thread(const uint16_t *xa, int64_t kb, const uint16_t *w,
