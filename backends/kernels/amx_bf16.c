@@ -277,8 +277,10 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
  * (30 layers of SmolLM2's four projections, old and new alternating in one
  * process), 0.74-1.02 of the time a pass at 512 rows in ten runs (median
  * 0.95), 0.80-0.87 at 2048. The next chunk's weights are prefetched into L2
- * meanwhile. A C element is summed over the same column blocks in the same order as in amx_many_panel and
- * amx_groups: the same bits. */
+ * meanwhile. Its inner loop is amx_many_panel's without the L1 prefetch of
+ * the weight blocks (they come from L2 here). A C element is summed over the
+ * same column blocks in the same order as in amx_many_panel and amx_groups:
+ * the same bits. */
 #define AMX_WEIGHT_CHUNK (768 * 1024)
 /* Row blocks above which a call takes this order: at 128-256 rows the panel
  * order (weights read once, each pair reused from L1 by the panel's rows)
