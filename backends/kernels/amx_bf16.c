@@ -211,6 +211,37 @@ static void pack_row_blocks(const uint16_t *x, uint16_t *xa, int64_t M, int64_t 
     }
 }
 
+/* C[mi][gi] in tmm(2 * mi + gi), from zero: the packed row blocks a0 and a1
+ * (A, tmm 4 and 5) times the weight blocks w0 and w1 (B, tmm 6 and 7) over
+ * kb column blocks in order; with prefetch, each weight block two ahead is
+ * asked for into L1 (baton_prefetch_block), for weights streaming from
+ * memory. (Marked always_inline, GCC 12 dropped those prefetches from the
+ * inlined copy and 32-row calls took ~35% longer; as a plain static function
+ * it is inlined with them, as fast as the loop written out.) */
+BATON_AMX_TARGET static void amx_block_2x2(const uint16_t *a0, const uint16_t *a1,
+                                           const uint16_t *w0, const uint16_t *w1, int64_t kb,
+                                           int prefetch) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = 0; j < kb; j++) {
+        const int64_t o = j * BATON_GEMV_BLOCK;
+        if (prefetch) {
+            baton_prefetch_block(w0, j);
+            baton_prefetch_block(w1, j);
+        }
+        _tile_loadd(6, w0 + o, 64);
+        _tile_loadd(4, a0 + o, 64);
+        _tile_loadd(7, w1 + o, 64);
+        _tile_loadd(5, a1 + o, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 /* Feature blocks [g0, g1) for row blocks [r0, r1) of the packed rows xa:
  * C[mi][gi] in tmm(2 * mi + gi), A in tmm 4 and 5, B in tmm 6 and 7, as in
  * amx_groups. Results into y16 (bf16) or, when y16 is NULL, yf (store_block). */
@@ -226,23 +257,7 @@ BATON_AMX_TARGET static void amx_many_panel(const uint16_t *xa, int64_t kb, cons
             const int twom = r + 1 < r1;
             const uint16_t *a0 = xa + r * kb * BATON_GEMV_BLOCK;
             const uint16_t *a1 = twom ? a0 + kb * BATON_GEMV_BLOCK : a0;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t j = 0; j < kb; j++) {
-                const int64_t o = j * BATON_GEMV_BLOCK;
-                baton_prefetch_block(w0, j);
-                baton_prefetch_block(w1, j);
-                _tile_loadd(6, w0 + o, 64);
-                _tile_loadd(4, a0 + o, 64);
-                _tile_loadd(7, w1 + o, 64);
-                _tile_loadd(5, a1 + o, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            amx_block_2x2(a0, a1, w0, w1, kb, 1);
             store_tiles(bias, y16, yf, M, N, g, two, r, twom);
         }
     }
@@ -277,7 +292,7 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
  * (30 layers of SmolLM2's four projections, old and new alternating in one
  * process), 0.74-1.02 of the time a pass at 512 rows in ten runs (median
  * 0.95), 0.80-0.87 at 2048. The next chunk's weights are prefetched into L2
- * meanwhile. Its inner loop is amx_many_panel's without the L1 prefetch of
+ * meanwhile. Each 2 x 2 block is amx_block_2x2 without its L1 prefetch of
  * the weight blocks (they come from L2 here). A C element is summed over the
  * same column blocks in the same order as in amx_many_panel and amx_groups:
  * the same bits. */
@@ -315,21 +330,7 @@ BATON_AMX_TARGET static void amx_rows_thread(const uint16_t *xa, int64_t kb, con
                 const uint16_t *w0 = w + g * wrow, *w1 = two ? w0 + wrow : w0;
                 for (int64_t e = pf + per_step; pf < e && pf < next_bytes; pf += 64)
                     _mm_prefetch(next + pf, _MM_HINT_T1);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t j = 0; j < kb; j++) {
-                    const int64_t o = j * BATON_GEMV_BLOCK;
-                    _tile_loadd(6, w0 + o, 64);
-                    _tile_loadd(4, a0 + o, 64);
-                    _tile_loadd(7, w1 + o, 64);
-                    _tile_loadd(5, a1 + o, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
+                amx_block_2x2(a0, a1, w0, w1, kb, 0);
                 store_tiles(bias, y, 0, M, N, g, two, r, twom);
             }
         }
