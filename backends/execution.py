@@ -204,6 +204,9 @@ class ExecutionPlan:
     norm: str                        # native | torch
     rope_kv_store: str               # native | torch
     decode_attention: str            # native | torch-sdpa
+    # Prefill chunks' causal attention: "native-amx" (baton::paged_prefill_attention,
+    # AMX tiles reading the bf16 pool in place, where the decode scores run
+    # on AMX too) or "torch-sdpa" (the blocks gathered, torch's SDPA).
     prefill_attention: str = "torch-sdpa"
     # Decode rows that share a cached prefix (backends/attention.py): "cascade"
     # (the prefix once for all of them through SDPA, merged with each row's
@@ -296,6 +299,7 @@ class _ModelNeeds:
     moe: bool = False
     plain: bool = True   # the whole-step native decode computes this layer
     final_softcap: bool = False  # logits soft-capped after the output projection
+    head_dim: int = 64
 
     @classmethod
     def of(cls, model: ModelConfig | None) -> _ModelNeeds:
@@ -310,7 +314,7 @@ class _ModelNeeds:
                      or m.query_pre_attn_scalar is not None)
         return cls(activation=m.hidden_act, sliding=m.has_sliding_layers, softcap=softcap,
                    partial_rotary=partial, moe=m.moe is not None, plain=plain,
-                   final_softcap=m.final_logit_softcap is not None)
+                   final_softcap=m.final_logit_softcap is not None, head_dim=m.head_dim)
 
     def apply(self, plan: ExecutionPlan) -> ExecutionPlan:
         """``plan`` (made for a plain model) with the steps native kernels
@@ -332,6 +336,10 @@ class _ModelNeeds:
                              "attends whole contexts)")
             if self.softcap:
                 notes.append("soft-capped layers on torch-eager (no native soft-capping)")
+        if plan.prefill_attention == "native-amx" and (self.head_dim % 32 or self.head_dim > 128):
+            changes["prefill_attention"] = "torch-sdpa"
+            notes.append(f"prefill attention on torch-sdpa (the AMX kernel takes head_dim 32-128 "
+                         f"in steps of 32, not {self.head_dim})")
         if plan.greedy_screen and self.final_softcap:
             changes["greedy_screen"] = 0
             notes.append("no greedy screen (its bound is on the logits before soft-capping)")
@@ -456,6 +464,10 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # that can still win, by the projection's own kernel): the same token.
     screen = (GREEDY_SCREEN_ROWS if native and activation == "bfloat16" and options.greedy_screen
               and lm_head in ("bf16-gemv+onednn", "bf16-amx+onednn") else 0)
+    # Decode scores and prefill chunks' attention on AMX tiles: bf16 query
+    # and KV where the avx512_bf16 kernels run and tile data is granted.
+    amx_attention = (native and kernels == "avx512_bf16" and cpu.amx_bf16
+                     and available.amx_tiles and kv == "bfloat16" and activation == "bfloat16")
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
                      + (" (no whole-step decode)" if whole_step else ""))
@@ -476,7 +488,6 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         whole_step_decode=whole_step, whole_step_weights=whole_weights,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,
-        attention_scores="amx" if (native and kernels == "avx512_bf16" and cpu.amx_bf16
-                                   and available.amx_tiles and kv == "bfloat16"
-                                   and activation == "bfloat16") else "",
+        attention_scores="amx" if amx_attention else "",
+        prefill_attention="native-amx" if amx_attention else "torch-sdpa",
         notes=tuple(notes))

@@ -632,7 +632,8 @@ class TorchBackend:
         mask = mask.to(self.device)
         bias = torch.zeros(mask.shape, dtype=self.compute_dtype, device=self.device).masked_fill_(
             ~mask, float("-inf"))
-        return PrefillSegment(start, start + n, blocks.to(self.device), mask, bias)
+        return PrefillSegment(start, start + n, blocks.to(self.device), mask, row.start_pos,
+                              bias)
 
     def _decode_gather(self, rows: list[ScheduledRequest], meta: AttentionMetadata) -> None:
         bs = self.block_size

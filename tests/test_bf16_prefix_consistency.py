@@ -23,9 +23,12 @@ from tests.test_amx_linear import _amx_or_skip
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
 PROMPT_LEN = 70
-# Cached prefix lengths (block size 4): tails of 2 (the gemv's rows on
-# machines without AMX), 22 and 54 rows (above the decode batch of 32).
-CACHED = (68, 48, 16)
+# (block size, cached prefix lengths): blocks of 4, tails of 2 (the gemv's
+# rows on machines without AMX), 22 and 54 rows (above the decode batch of
+# 32), the prompts' attention on torch's SDPA; blocks of 16, tails of 6, 22
+# and 54 rows, the prompts' attention on the AMX prefill kernel
+# (prefill_attention.c), whose rows do not depend on the chunk either.
+CASES = [(4, (68, 48, 16)), (16, (64, 48, 16))]
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +45,19 @@ def wide_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
                             num_key_value_heads=3, head_dim=64)
 
 
-def test_bf16_prefix_cache_hit_computes_what_cold_computes(wide_llama_dir):
+@pytest.mark.parametrize("block_size,cached", CASES, ids=["blocks-4-sdpa", "blocks-16-amx"])
+def test_bf16_prefix_cache_hit_computes_what_cold_computes(wide_llama_dir, block_size, cached):
     _amx_or_skip()
     gen = torch.Generator().manual_seed(5)
     prompts = {f"p{k}": torch.randint(3, 512, (PROMPT_LEN,), generator=gen).tolist()
-               for k in CACHED}
-    config = dict(dtype="bfloat16", block_size=4, max_num_batched_tokens=256)
+               for k in cached}
+    config = dict(dtype="bfloat16", block_size=block_size, max_num_batched_tokens=256)
     cold_core = make_engine(wide_llama_dir, enable_prefix_caching=False, **config)
     assert "amx" in cold_core.backend.plan.describe()
+    assert cold_core.backend.plan.prefill_attention == "native-amx"
     cold = run_all(cold_core, prompts, GREEDY)
     hot_core = make_engine(wide_llama_dir, **config)
-    for k in CACHED:
+    for k in cached:
         # another prompt that shares exactly the first k tokens
         other = prompts[f"p{k}"][:k] + [7, 8, 9, 10, 11]
         run_all(hot_core, {f"q{k}": other}, GREEDY)
