@@ -189,7 +189,7 @@ def native_cpu_ops(kind: str, prefill_amx: bool = False) -> ModelOps:
         # All of the step's chunks in one call (their rows follow the decodes
         # in order); None where the kernel does not take them (a float32
         # cache, or a head size or block size it has no tiles for).
-        heads, head_dim = q.shape[1:]
+        head_dim = q.shape[2]
         if (q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or head_dim % 32
                 or head_dim > 128 or meta.block_size % 16):
             return None

@@ -54,6 +54,16 @@ def _segments(gen, chunks, bs, pool_blocks):
     return torch.tensor(segs, dtype=torch.long), padded, tables
 
 
+def _smollm_chunks(seed, pool_blocks, chunks):
+    """SmolLM2's attention shape (9 query heads, 3 kv heads of 64), blocks of
+    16: (k_cache, v_cache, segs, padded tables, tables, q) for ``chunks``."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = _pool(gen, pool_blocks, 16, 3, 64)
+    segs, padded, tables = _segments(gen, chunks, 16, pool_blocks)
+    q = torch.randn(int(segs[-1, 1]), 9, 64, generator=gen).to(torch.bfloat16)
+    return k_cache, v_cache, segs, padded, tables, q
+
+
 def _reference(q, k_cache, v_cache, segs, tables, bs, scale, dtype=torch.float32):
     """Each chunk's causal attention through torch's SDPA in ``dtype`` over
     the same bf16 values (float32: the reference; bfloat16: what the engine's
@@ -115,11 +125,8 @@ def test_attends_causally_from_the_chunk_start():
     position, or letting a row see its successor, changes the result far
     beyond rounding."""
     kind = _kind()
-    gen = torch.Generator().manual_seed(3)
-    bs, heads, kvh, d = 16, 9, 3, 64
-    k_cache, v_cache = _pool(gen, 20, bs, kvh, d)
-    segs, padded, tables = _segments(gen, [(40, 30)], bs, 20)
-    q = torch.randn(30, heads, d, generator=gen).to(torch.bfloat16)
+    bs = 16
+    k_cache, v_cache, segs, padded, tables, q = _smollm_chunks(3, 20, [(40, 30)])
     got = _run(q, k_cache, v_cache, segs, padded, bs, 0.125, kind).float()
     ref = _reference(q, k_cache, v_cache, segs, tables, bs, 0.125)
     shifted = _reference(q, k_cache, v_cache, torch.tensor([[0, 30, 41]]), tables, bs, 0.125)
@@ -132,11 +139,9 @@ def test_a_rows_bits_do_not_depend_on_the_call():
     first is cached, as after a prefix-cache hit), or beside other prompts:
     the same bits for every row."""
     kind = _kind()
-    gen = torch.Generator().manual_seed(4)
-    bs, heads, kvh, d = 16, 9, 3, 64
-    k_cache, v_cache = _pool(gen, 40, bs, kvh, d)
-    segs, padded, _ = _segments(gen, [(0, 100)], bs, 40)
-    q = torch.randn(100, heads, d, generator=gen).to(torch.bfloat16)
+    bs = 16
+    k_cache, v_cache, segs, padded, _, q = _smollm_chunks(4, 40, [(0, 100)])
+    gen = torch.Generator().manual_seed(44)
     whole = _run(q, k_cache, v_cache, segs, padded, bs, 0.125, kind)
     for cut in (16, 37, 64, 99):
         head = _run(q[:cut].contiguous(), k_cache, v_cache, torch.tensor([[0, cut, 0]]),
@@ -144,7 +149,7 @@ def test_a_rows_bits_do_not_depend_on_the_call():
         tail = _run(q[cut:].contiguous(), k_cache, v_cache,
                     torch.tensor([[0, 100 - cut, cut]]), padded, bs, 0.125, kind)
         assert torch.equal(torch.cat([head, tail]), whole), cut
-    other = torch.randn(50, heads, d, generator=gen).to(torch.bfloat16)
+    other = torch.randn(50, 9, 64, generator=gen).to(torch.bfloat16)
     both = _run(torch.cat([other, q]), k_cache, v_cache,
                 torch.tensor([[0, 50, 0], [50, 150, 0]]), padded[[0, 0]].contiguous(), bs,
                 0.125, kind)
