@@ -230,6 +230,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if softcap is not None:
         if decode_kernel is not None:
             raise ValueError("the decode kernel does not soft-cap scores")
+        if prefill_kernel is not None:
+            raise ValueError("the prefill kernel does not soft-cap scores")
         sdpa = partial(softcapped_attention, softcap=softcap)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -257,8 +259,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q[:d].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)
     if meta.prefills and prefill_kernel is not None:
-        if softcap is not None:
-            raise ValueError("the prefill kernel does not soft-cap scores")
         prefilled = prefill_kernel(q[d:], k_cache, v_cache, meta, scale)
         if prefilled is not None:
             if not d:

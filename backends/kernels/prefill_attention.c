@@ -172,7 +172,7 @@ BATON_AMX_TARGET static void query_block(const uint16_t *q, int64_t row0, int64_
             const __m512 e = _mm512_maskz_mov_ps(
                 km, baton_exp512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(km, s + k), sv, shift)));
             sum = _mm512_add_ps(sum, e);
-            _mm256_storeu_si256((__m256i *)(p + k), (__m256i)_mm512_cvtneps_pbh(e));
+            _mm256_storeu_si256((__m256i *)(p + k), baton_narrow16(e));
         }
         inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
     }
@@ -210,9 +210,17 @@ BATON_AMX_TARGET static void query_block(const uint16_t *q, int64_t row0, int64_
         const __m512 r = _mm512_set1_ps(inv[i]);
         uint16_t *o = out + ((row0 + t0 + i) * H + h) * D;
         for (int64_t d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(
+            _mm256_storeu_si256((__m256i *)(o + d), baton_narrow16(
                 _mm512_mul_ps(_mm512_loadu_ps(w->O + i * D + d), r)));
     }
+}
+
+/* Segment s's keys (its start position plus its rows) and their steps of 32. */
+static inline int64_t seg_keys(const int64_t *segs, int64_t s) {
+    return segs[3 * s + 2] + segs[3 * s + 1] - segs[3 * s];
+}
+static inline int64_t seg_steps(const int64_t *segs, int64_t s) {
+    return (seg_keys(segs, s) + 31) / 32;
 }
 
 int baton_prefill_attention_amx(const uint16_t *q, const uint16_t *k_cache,
@@ -233,8 +241,7 @@ int baton_prefill_attention_amx(const uint16_t *q, const uint16_t *k_cache,
     }
     int64_t words = 0, tasks = 0, most = 32;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t rows = segs[3 * s + 1] - segs[3 * s], npos = segs[3 * s + 2] + rows;
-        const int64_t steps = (npos + 31) / 32;
+        const int64_t rows = segs[3 * s + 1] - segs[3 * s], steps = seg_steps(segs, s);
         for (int64_t g = 0; g < KVH; g++) {
             pack_at[s * KVH + g] = words;
             /* kt: 2 * steps groups of 16 keys, pieces tiles each; vt: steps x D/16 */
@@ -258,8 +265,7 @@ int baton_prefill_attention_amx(const uint16_t *q, const uint16_t *k_cache,
         #pragma omp for schedule(dynamic, 1)
         for (int64_t sg = 0; sg < S * KVH; sg++) {
             const int64_t s = sg / KVH, g = sg % KVH;
-            const int64_t npos = segs[3 * s + 2] + segs[3 * s + 1] - segs[3 * s];
-            const int64_t steps = (npos + 31) / 32;
+            const int64_t npos = seg_keys(segs, s), steps = seg_steps(segs, s);
             uint32_t *kt = packed + pack_at[sg];
             pack_keys(k_cache, tables + s * max_blocks, block_size, KVH, D, g, npos,
                       2 * steps, kt);
@@ -288,9 +294,8 @@ int baton_prefill_attention_amx(const uint16_t *q, const uint16_t *k_cache,
             const int64_t local = task - task_at[s];
             const int64_t g = local % KVH, qblock = qblocks - 1 - local / KVH;
             const int64_t t0 = 16 * qblock, m = rows - t0 < 16 ? rows - t0 : 16;
-            const int64_t npos = start + rows, steps = (npos + 31) / 32;
             const uint32_t *kt = packed + pack_at[s * KVH + g];
-            const uint32_t *vt = kt + 2 * steps * pieces * 256;
+            const uint32_t *vt = kt + 2 * seg_steps(segs, s) * pieces * 256;
             for (int64_t h = g * G; h < (g + 1) * G; h++)
                 query_block(q, row0, t0, m, start, h, H, D, kt, vt, scale, &w, out);
         }
