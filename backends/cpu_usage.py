@@ -12,9 +12,11 @@ from pathlib import Path
 PROC = Path("/proc")
 
 
-def machine_busy_seconds(proc: Path = PROC) -> float | None:
+def machine_busy_seconds(proc: Path = PROC, steal: bool = True) -> float | None:
     """CPU seconds all CPUs spent busy since boot (user, nice, system, irq,
-    softirq, steal; guest time is inside user), None without /proc/stat."""
+    softirq, and with ``steal`` the hypervisor's steal: time this VM's vCPUs
+    wanted to run and were given to someone outside it; guest time is inside
+    user), None without /proc/stat."""
     try:
         fields = (proc / "stat").read_text().splitlines()[0].split()
     except (OSError, IndexError):
@@ -22,7 +24,8 @@ def machine_busy_seconds(proc: Path = PROC) -> float | None:
     if not fields or fields[0] != "cpu":
         return None
     ticks = [int(v) for v in fields[1:]]
-    busy = sum(ticks[i] for i in (0, 1, 2, 5, 6, 7) if i < len(ticks))
+    busy = sum(ticks[i] for i in ((0, 1, 2, 5, 6, 7) if steal else (0, 1, 2, 5, 6))
+               if i < len(ticks))
     return busy / os.sysconf("SC_CLK_TCK")
 
 

@@ -3,6 +3,9 @@ cores, more again only after the machine has stayed quiet."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from backends.cpu_threads import ThreadGovernor
@@ -52,7 +55,7 @@ def test_a_short_sample_never_reads_more_cpus_than_the_machine_has(monkeypatch):
     import backends.cpu_threads as ct
     clock = {"wall": 100.0, "system": 50.0, "own": 10.0}
     monkeypatch.setattr(ct.time, "monotonic", lambda: clock["wall"])
-    monkeypatch.setattr(ct, "machine_busy_seconds", lambda: clock["system"])
+    monkeypatch.setattr(ct, "machine_busy_seconds", lambda steal=True: clock["system"])
     monkeypatch.setattr(ct, "own_cpu_seconds", lambda: clock["own"])
     before = torch.get_num_threads()
     try:
@@ -62,5 +65,51 @@ def test_a_short_sample_never_reads_more_cpus_than_the_machine_has(monkeypatch):
         gov.before_step()
         assert 0.0 <= gov.others_busy <= (os.cpu_count() or 1)
         assert gov.threads == 1               # the sample still reads "busy"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_hypervisor_steal_is_not_another_process(tmp_path, monkeypatch):
+    """/proc/stat's steal column is time the hypervisor gave this VM's vCPUs
+    to someone outside it. No process in the machine can use a core that
+    fewer threads leave free, so it must not cost the engine a thread: only
+    user, nice, system, irq and softirq time of other processes does."""
+    import backends.cpu_threads as ct
+    from backends.cpu_usage import machine_busy_seconds
+
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+
+    def write(user: int, steal: int) -> None:
+        stat.write_text(f"cpu  {user} 0 0 5000 0 0 0 {steal} 0 0\n")
+
+    write(100, 0)
+    assert machine_busy_seconds(tmp_path) == pytest.approx(100 / hz)
+    assert machine_busy_seconds(tmp_path, steal=False) == pytest.approx(100 / hz)
+    write(100, 40)
+    assert machine_busy_seconds(tmp_path) == pytest.approx(140 / hz)  # the load report's view
+    assert machine_busy_seconds(tmp_path, steal=False) == pytest.approx(100 / hz)
+
+    clock = {"wall": 100.0, "own": 10.0}
+    monkeypatch.setattr(ct.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(ct, "own_cpu_seconds", lambda: clock["own"])
+    monkeypatch.setattr(ct, "machine_busy_seconds",
+                        lambda steal=True: machine_busy_seconds(tmp_path, steal=steal))
+    before = torch.get_num_threads()
+    try:
+        write(0, 0)
+        gov = ThreadGovernor(max_threads=2, interval=0.0)
+        # one second: the hypervisor took 1.5 CPUs, this process used none
+        clock.update(wall=101.0)
+        write(0, int(1.5 * hz))
+        gov.before_step()
+        assert gov.others_busy == pytest.approx(0.0)
+        assert gov.threads == 2
+        # the next second another process in the machine takes 1.5 CPUs
+        clock.update(wall=102.0)
+        write(int(1.5 * hz), int(1.5 * hz))
+        gov.before_step()
+        assert gov.others_busy == pytest.approx(1.5)
+        assert gov.threads == 1
     finally:
         torch.set_num_threads(before)
