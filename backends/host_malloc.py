@@ -10,8 +10,15 @@ which took 412 ms alone and 630-810 ms in the server (docs/benchmarks.md).
 Per-thread arenas also let RSS creep over hours of mixed load ("Soak").
 
 ``tune_malloc`` sets, through ``mallopt``, before the model loads:
-- ``M_ARENA_MAX`` = 2: at most two arenas (what ``MALLOC_ARENA_MAX=2`` did
-  when scripts/run.sh and the image set it);
+- ``M_ARENA_MAX`` = 1: every thread allocates from the main arena (the brk
+  heap). A second arena (``MALLOC_ARENA_MAX=2``, what scripts/run.sh and the
+  image once set) serves the step thread from 64 MiB heaps of its own, and
+  glibc unmaps such a heap whenever it empties, whatever the trim threshold
+  says: a long-running server's step thread mapped and unmapped heaps around
+  every prefill step (42,000-81,000 minor faults per 2048-token step against
+  ~11,500, its new KV blocks, with one arena; docs/benchmarks.md, session 13).
+  Python's small objects come from its own allocator, so the one lock is
+  rarely contended;
 - ``M_MMAP_THRESHOLD`` = 32 MiB: blocks below it come from the arenas (and are
   reused), not from a fresh mapping each time;
 - ``M_TRIM_THRESHOLD`` = 1 GiB: an arena keeps up to that much free memory at
@@ -38,7 +45,7 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 
-SETTINGS = ((M_ARENA_MAX, "arena_max", 2),
+SETTINGS = ((M_ARENA_MAX, "arena_max", 1),
             (M_MMAP_THRESHOLD, "mmap_threshold", 32 << 20),
             (M_TRIM_THRESHOLD, "trim_threshold", 1 << 30))
 
