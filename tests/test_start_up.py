@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +61,38 @@ def test_the_kv_pool_is_zero_and_costs_nothing_until_touched():
     view = pool[100:200]
     del pool
     assert float(view.sum()) == 2.5  # the view keeps the mapping alive
+
+
+def _mapping_flags(tensor: torch.Tensor) -> set[str] | None:
+    """The VmFlags of the /proc/self/smaps entry holding the tensor's data."""
+    try:
+        smaps = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    address, inside = tensor.data_ptr(), False
+    for line in smaps:
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    return None
+
+
+def test_the_kv_pool_is_private_memory_that_asks_for_huge_pages():
+    """Private anonymous memory faults in cheaper than shared (shmem) memory,
+    and 2 MiB pages take 1/512 of the faults and spare the decode attention's
+    scattered block reads TLB misses: a 256 MiB first touch took ~150 ms
+    shared, ~109 ms private, ~52 ms private with huge pages (Xeon model 207)."""
+    pool = zeros_lazily((8 * 2**20, 2), torch.bfloat16, torch.device("cpu"))  # 32 MiB
+    flags = _mapping_flags(pool)
+    if flags is None:
+        pytest.skip("no /proc/self/smaps here")
+    assert "sh" not in flags  # not shared
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert "hg" in flags  # MADV_HUGEPAGE
 
 
 def _rss_bytes() -> int | None:
