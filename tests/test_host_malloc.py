@@ -105,7 +105,6 @@ def test_the_load_log_names_the_settings():
         assert f"{name} {value}" in line
 
 
-
 # Where a worker thread's (the step thread's) allocations land: inside the
 # process's brk heap (glibc's main arena) or in a mapping of their own (one of
 # the 64 MiB heaps of another arena).

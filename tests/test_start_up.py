@@ -82,9 +82,9 @@ def _mapping_flags(tensor: torch.Tensor) -> set[str] | None:
 
 def test_the_kv_pool_is_private_memory_that_asks_for_huge_pages():
     """Private anonymous memory faults in cheaper than shared (shmem) memory,
-    and 2 MiB pages take 1/512 of the faults and spare the decode attention's
-    scattered block reads TLB misses: a 256 MiB first touch took ~150 ms
-    shared, ~109 ms private, ~52 ms private with huge pages (Xeon model 207)."""
+    and 2 MiB pages take 1/512 of the faults: a 256 MiB first touch took ~150
+    ms shared, ~109 ms private, ~52 ms private with huge pages (Xeon model
+    207)."""
     pool = zeros_lazily((8 * 2**20, 2), torch.bfloat16, torch.device("cpu"))  # 32 MiB
     flags = _mapping_flags(pool)
     if flags is None:
