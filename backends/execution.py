@@ -287,6 +287,12 @@ class ExecutionPlan:
         return "; ".join(parts + list(self.notes))
 
 
+def amx_prefill_head_dim(head_dim: int) -> bool:
+    """Whether the AMX prefill attention kernel has tiles for ``head_dim``
+    (backends/kernels/prefill_attention.c: 32 to 128 in steps of 32)."""
+    return head_dim % 32 == 0 and head_dim <= 128
+
+
 @dataclass(frozen=True, slots=True)
 class _ModelNeeds:
     """What of an architecture decides implementations (None: a plain
@@ -336,7 +342,7 @@ class _ModelNeeds:
                              "attends whole contexts)")
             if self.softcap:
                 notes.append("soft-capped layers on torch-eager (no native soft-capping)")
-        if plan.prefill_attention == "native-amx" and (self.head_dim % 32 or self.head_dim > 128):
+        if plan.prefill_attention == "native-amx" and not amx_prefill_head_dim(self.head_dim):
             changes["prefill_attention"] = "torch-sdpa"
             notes.append(f"prefill attention on torch-sdpa (the AMX kernel takes head_dim 32-128 "
                          f"in steps of 32, not {self.head_dim})")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.attention import paged_attention, write_kv
+from backends.execution import amx_prefill_head_dim
 from backends.rope import apply_rope
 
 
@@ -189,9 +190,8 @@ def native_cpu_ops(kind: str, prefill_amx: bool = False) -> ModelOps:
         # All of the step's chunks in one call (their rows follow the decodes
         # in order); None where the kernel does not take them (a float32
         # cache, or a head size or block size it has no tiles for).
-        head_dim = q.shape[2]
-        if (q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or head_dim % 32
-                or head_dim > 128 or meta.block_size % 16):
+        if (q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16
+                or not amx_prefill_head_dim(q.shape[2]) or meta.block_size % 16):
             return None
         if meta.prefill_table is None:
             first = meta.prefills[0].token_start

@@ -283,7 +283,7 @@ int baton_prefill_attention_amx(const uint16_t *q, const uint16_t *k_cache,
             failed = 2;
         }
         if (ok) config_tiles();
-        /* the longest query blocks (the last of each segment) first */
+        /* within each segment, its longest query blocks (its last) first */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (!ok) continue;
