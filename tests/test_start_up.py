@@ -64,7 +64,8 @@ def test_the_kv_pool_is_zero_and_costs_nothing_until_touched():
 
 
 def _mapping_flags(tensor: torch.Tensor) -> set[str] | None:
-    """The VmFlags of the /proc/self/smaps entry holding the tensor's data."""
+    """The VmFlags of the /proc/self/smaps entry holding the tensor's data;
+    None only where there is no smaps to read (off Linux)."""
     try:
         smaps = open("/proc/self/smaps").read().splitlines()
     except OSError:
@@ -77,7 +78,7 @@ def _mapping_flags(tensor: torch.Tensor) -> set[str] | None:
             inside = lo <= address < hi
         elif inside and line.startswith("VmFlags:"):
             return set(line.split()[1:])
-    return None
+    raise AssertionError(f"no smaps entry with VmFlags holds {address:#x}")
 
 
 def test_the_kv_pool_is_private_memory_that_asks_for_huge_pages():
