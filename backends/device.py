@@ -11,6 +11,29 @@ import torch
 from backends.execution import CpuFeatures
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CUDA_KV_FRACTION = 0.9  # of the memory left after the weights
+
+
+def cuda_kv_budget(free: int, total: int, utilization: float | None) -> int:
+    """Bytes for the KV cache on a CUDA device whose weights are already on
+    it (``free`` and ``total`` as ``torch.cuda.mem_get_info`` reports them).
+
+    Without ``utilization``: 0.9 of the free memory, the rest left for
+    activations. With it (vLLM's ``--gpu-memory-utilization``): the cache
+    fills the device up to that fraction of its total, counting everything
+    on it now (the weights, and any other process's memory), so activations
+    live in the remaining ``1 - utilization``. Raises ValueError when the
+    device is already fuller than that."""
+    if utilization is None:
+        return int(free * CUDA_KV_FRACTION)
+    used = total - free
+    budget = int(total * utilization) - used
+    if budget <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization:g}: {used / 2**30:.2f} GiB of the device's "
+            f"{total / 2**30:.2f} GiB are in use already (weights included), more than "
+            f"{utilization:g} of it; raise the fraction or free device memory")
+    return budget
 
 
 def resolve_dtype(name: str, device: str, cpu_kind: str = "auto") -> str:

@@ -38,6 +38,9 @@ class BackendConfig:
     # CPU threads for the model's math; None: as many as other processes leave
     # free, up to torch's default (backends/cpu_threads.py).
     threads: int | None = None
+    # CUDA: the fraction of the device's memory weights and KV cache may fill
+    # (vLLM's --gpu-memory-utilization); None: 0.9 of what the weights leave.
+    gpu_memory_utilization: float | None = None
 
 
 def probe_availability(device: str, cpu: CpuFeatures,
@@ -98,4 +101,5 @@ def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) ->
                         num_kv_blocks=config.num_kv_blocks,
                         max_positions=config.max_positions, seed=config.seed,
                         quantization=config.quantization, threads=config.threads,
-                        parallel=parallel)
+                        parallel=parallel,
+                        gpu_memory_utilization=config.gpu_memory_utilization)

@@ -134,13 +134,12 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 "min_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        # The upper bound is the server's (--max-logprobs): EngineCore.validate.
+        if self.logprobs is not None and self.logprobs < 0:
+            raise InvalidRequestError(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise InvalidRequestError(
-                f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise InvalidRequestError(
-                f"prompt logprobs must be between 0 and 20, got {self.prompt_logprobs}",
-                "logprobs")
+                f"prompt logprobs must be >= 0, got {self.prompt_logprobs}", "logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -27,7 +27,7 @@ from backends.attention import (AttentionMetadata, PrefillSegment, SharedPrefix,
 from backends.grammar import BitmaskFiller, GrammarCompiler, GrammarMatcher
 from backends.config import LoadedModel, ModelConfig
 from backends.cpu_threads import DEFAULT_THREADS, ThreadGovernor
-from backends.device import DTYPES, zeros_lazily
+from backends.device import DTYPES, cuda_kv_budget, zeros_lazily
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
 from backends.execution import ExecutionPlan
@@ -43,7 +43,6 @@ from backends.sampler import (DeferredMasks, PenaltyInputs, SamplerOutput, Sampl
 log = logging.getLogger("baton.backend")
 
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
-CUDA_KV_FRACTION = 0.9  # of the memory left after the weights
 
 
 @dataclass(slots=True)
@@ -93,7 +92,8 @@ class TorchBackend:
                  quantization: QuantizationSpec | None = None,
                  parallel: TensorParallelGroup | None = None,
                  grammar: GrammarCompiler | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None,
+                 gpu_memory_utilization: float | None = None) -> None:
         self.plan = plan
         self.parallel = parallel
         self.device = torch.device(plan.device)
@@ -166,7 +166,8 @@ class TorchBackend:
             from backends.parallel.layers import parallelize
             parallelize(self.model, parallel, shard.partition)
 
-        self.num_kv_blocks = num_kv_blocks or self._blocks_for_budget(kv_cache_bytes)
+        self.num_kv_blocks = num_kv_blocks or self._blocks_for_budget(kv_cache_bytes,
+                                                                      gpu_memory_utilization)
         if parallel is not None:  # every rank must hold every block rank 0 hands out
             self.num_kv_blocks = parallel.agree_min(self.num_kv_blocks)
         num_slots = self.num_kv_blocks * block_size
@@ -308,12 +309,13 @@ class TorchBackend:
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
-    def _blocks_for_budget(self, kv_cache_bytes: int | None) -> int:
+    def _blocks_for_budget(self, kv_cache_bytes: int | None,
+                           gpu_memory_utilization: float | None = None) -> int:
         per_block = kv_bytes_per_token(self.model_config, self.kv_dtype) * self.block_size
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(self.device)
-                kv_cache_bytes = int(free * CUDA_KV_FRACTION)
+                free, total = torch.cuda.mem_get_info(self.device)
+                kv_cache_bytes = cuda_kv_budget(free, total, gpu_memory_utilization)
             else:
                 kv_cache_bytes = DEFAULT_CPU_KV_BYTES
         blocks = kv_cache_bytes // per_block

@@ -44,8 +44,12 @@ class EngineCore:
     def __init__(self, backend: Backend, tokenizer: Tokenizer, config: SchedulerConfig,
                  *, vocab_size: int, eos_token_ids: tuple[int, ...],
                  model_name: str = "model",
-                 generation: GenerationDefaults | None = None) -> None:
+                 generation: GenerationDefaults | None = None,
+                 max_logprobs: int = 20) -> None:
         self.model_name = model_name
+        # The most top alternatives a request may ask for (--max-logprobs;
+        # -1: the whole vocabulary).
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.generation = generation or GenerationDefaults(eos_token_ids=tuple(eos_token_ids))
         self.tokenizer = tokenizer
         self.config = config
@@ -99,7 +103,7 @@ class EngineCore:
     @property
     def info(self) -> ModelInfo:
         return ModelInfo(self.model_name, self.max_model_len, self.vocab_size,
-                         self.kv_cache.capacity_tokens, self.generation)
+                         self.kv_cache.capacity_tokens, self.generation, self.max_logprobs)
 
     # ---------------------------------------------------------------- intake
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -148,6 +152,11 @@ class EngineCore:
                 f"{params.max_tokens or 1} for the completion). Please reduce the length "
                 f"of the prompt or of max_tokens.",
                 "prompt" if n >= limit else "max_tokens")
+        for asked in (params.logprobs, params.prompt_logprobs):
+            if asked is not None and asked > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"logprobs must be at most {self.max_logprobs} (this server's "
+                    f"--max-logprobs), got {asked}", "logprobs")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("stop_token_ids", params.stop_token_ids)):
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -86,6 +86,7 @@ class ModelInfo:
     vocab_size: int
     kv_capacity_tokens: int
     generation: GenerationDefaults
+    max_logprobs: int = 20      # top alternatives a request may ask for (--max-logprobs)
 
 
 @dataclass(frozen=True, slots=True)

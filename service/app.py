@@ -208,8 +208,9 @@ def _apply_default_max_tokens(cfg, engine: AsyncEngine, req, prepared) -> None:
 
 def _chat_options(state: ServerState) -> ChatOptions:
     cfg = state.config
+    max_logprobs = state.engine.model.max_logprobs if state.engine is not None else 20
     return ChatOptions(cfg.tool_call_parser, cfg.trust_request_chat_template,
-                       cfg.trust_message_control_tokens)
+                       cfg.trust_message_control_tokens, max_logprobs)
 
 
 async def _compile_constraint(state: ServerState, engine: AsyncEngine, prepared) -> None:

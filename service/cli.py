@@ -188,6 +188,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "model's conversion to the serving dtype is kept, so later starts read it instead "
           "of converting again (one entry per file and dtype, files up to 4 GiB converted); "
           "none: convert at every start", convert=_optional_path)
+    from service.vllm_flags import add_vllm_engine_flags
+    add_vllm_engine_flags(parser)
     from service.scale_flags import add_parallel_flags
     add_parallel_flags(parser)
 
@@ -218,7 +220,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         revision=ns.revision, download_dir=ns.download_dir,
         generation_config=ns.generation_config, parallel=_parallel_config(ns),
         chat_template=ns.chat_template, conversion_cache=ns.conversion_cache, progress=True,
-        **overrides)
+        tokenizer=ns.tokenizer, gpu_memory_utilization=ns.gpu_memory_utilization,
+        max_logprobs=ns.max_logprobs, **overrides)
 
 
 def _parallel_config(ns: argparse.Namespace):
@@ -320,7 +323,7 @@ def server_config_from(ns: argparse.Namespace):
 def parse_serve_argv(argv: list[str]):
     """``baton serve`` arguments -> (EngineArgs, ServerConfig), e.g. for each
     Ray Serve replica."""
-    ns = build_parser().parse_args(["serve", *argv])
+    ns = parse_argv(["serve", *argv])
     _model_from(ns)
     return engine_args_from(ns, seed=ns.seed), server_config_from(ns)
 
@@ -395,9 +398,11 @@ def _add_serve_flags(srv: argparse.ArgumentParser) -> None:
           action="store_true")
     _flag(srv, "--log-format", "auto", "auto (JSON unless stderr is a terminal), json or "
           "console", choices=["auto", "json", "console"])
+    from service.vllm_flags import tool_call_parser
     _flag(srv, "--tool-call-parser", None, "how the model writes tool calls: hermes, "
-          "llama3_json or generic (default: read from the chat template; generic when it "
-          "has no tool support)", choices=["hermes", "llama3_json", "generic"])
+          "llama3_json (vLLM's llama4_json too) or generic (default: read from the chat "
+          "template; generic when it has no tool support)", convert=tool_call_parser,
+          metavar="{hermes,llama3_json,llama4_json,generic}")
     _flag(srv, "--trust-request-chat-template", False, "accept a chat_template field in "
           "requests", action="store_true")
 
@@ -416,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_flags(srv)
     from service.scale_flags import add_replica_flags
     add_replica_flags(srv)
+    from service.vllm_flags import add_vllm_serve_flags
+    add_vllm_serve_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",
@@ -456,9 +463,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_argv(argv: list[str]) -> argparse.Namespace:
+    """The command's own parser reads its arguments, options anywhere among
+    the positionals (``baton generate MODEL --dtype float32 PROMPT``), and its
+    errors print that command's usage, not the top-level one."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    commands = _subcommands(parser)
+    at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), None)
+    if at is None or argv[at] not in commands:
+        return parser.parse_args(argv)  # no command, or an unknown one: argparse says so
+    return commands[argv[at]].parse_intermixed_args(
+        argv[:at] + argv[at + 1:], namespace=argparse.Namespace(command=argv[at]))
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_argv(sys.argv[1:] if argv is None else list(argv))
     from telemetry.logs import configure_logging
     log_format = getattr(ns, "log_format", "auto")
     configure_logging(json=None if log_format == "auto" else log_format == "json")

@@ -75,6 +75,9 @@ class EngineArgs:
     chat_template: str | None = None     # a Jinja file or string replacing the model's
     # Folder keeping GGUF conversions (backends/loader/conversion_cache.py); None: none.
     conversion_cache: str | None = None
+    tokenizer: str | None = None         # a tokenizer from elsewhere (folder, .gguf, Hub id)
+    gpu_memory_utilization: float | None = None  # CUDA: fraction of the device Baton may fill
+    max_logprobs: int = 20               # top alternatives a request may ask for; -1: vocabulary
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from backends.errors import InvalidRequestError, ModelLoadError
 from backends.execution import ExecutionOptions
 from backends.factory import BackendConfig, create_backend
 from backends.interface import Backend
-from backends.loader import load_model, resolve_model, resolve_model_path
+from backends.loader import (load_model, load_tokenizer, resolve_model, resolve_model_path,
+                             resolve_tokenizer)
 from backends.loader.generation_config import apply_generation_config, generation_config_file
 from backends.loader.hub import hub_repo_name, is_hub_id
 from backends.progress import heartbeat
@@ -64,18 +65,21 @@ def read_chat_template(value: str) -> str:
 
 def _load(args: EngineArgs, path, quantization: QuantizationSpec, shard=None) -> LoadedModel:
     dtype = DTYPES[args.dtype]
+    # --tokenizer: create_engine resolved it to a local path already.
+    tokenizer = load_tokenizer(Path(args.tokenizer)) if args.tokenizer else None
     if quantization.mode != "gguf":
         return load_model(path, dtype=dtype, progress=args.progress, shard=shard,
-                          conversion_cache=args.conversion_cache)
+                          conversion_cache=args.conversion_cache, tokenizer=tokenizer)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise QuantizationError(
             f"--quantization gguf keeps a GGUF file's quantized blocks, but {str(path)!r} "
             f"is not a .gguf file; use int8 or int4 for other models")
+    from backends.loader import with_tokenizer
     from backends.loader.gguf import load_gguf
     # Every block type comes through undecoded: the quantization step keeps
     # what a kernel runs and says what it did with the rest.
-    return load_gguf(path, dtype=dtype, progress=args.progress,
-                     keep_quantized=gguf_block_types())
+    return with_tokenizer(load_gguf(path, dtype=dtype, progress=args.progress,
+                                     keep_quantized=gguf_block_types()), tokenizer)
 
 
 def load_backend(args: EngineArgs, parallel=None, device: str | None = None,
@@ -94,13 +98,23 @@ def load_backend(args: EngineArgs, parallel=None, device: str | None = None,
             device=device, dtype=args.dtype, block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             max_positions=wanted_len, seed=args.seed, quantization=quantization,
-            threads=args.threads,
+            threads=args.threads, gpu_memory_utilization=args.gpu_memory_utilization,
             execution=ExecutionOptions(
                 fast_paths=args.fast_paths, cpu_kind=args.cpu_kind,
                 tensor_parallel_size=args.parallel.tensor_parallel_size)),
             parallel=parallel)
     loaded.weights.clear()
     return loaded, backend
+
+
+def _check_memory_flags(args: EngineArgs) -> None:
+    if args.gpu_memory_utilization is None:
+        return
+    if not args.device.startswith("cuda"):
+        raise ValueError("--gpu-memory-utilization sizes the KV cache on CUDA devices; on "
+                         f"{args.device} give its size with --kv-cache-memory")
+    if args.kv_cache_memory is not None:
+        raise ValueError("give either --gpu-memory-utilization or --kv-cache-memory, not both")
 
 
 def create_engine(args: EngineArgs) -> EngineCore:
@@ -112,11 +126,15 @@ def create_engine(args: EngineArgs) -> EngineCore:
         raise ModelLoadError("device 'cuda' was asked for but no CUDA device is available")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"threads must be at least 1, got {args.threads}")
+    _check_memory_flags(args)
     quantization = QuantizationSpec(args.quantization, args.quantization_group_size)
     generation_config_file(args.generation_config)  # a bad path fails before the load
     chat_template = (read_chat_template(args.chat_template)   # and so does a bad template
                      if args.chat_template is not None else None)
     path = resolve_model(args.model, args.revision, args.download_dir, args.progress)
+    if args.tokenizer is not None:  # fetched once; tensor-parallel ranks read the files
+        args = dataclasses.replace(args, tokenizer=str(resolve_tokenizer(
+            args.tokenizer, args.download_dir, args.progress)))
     t0 = time.perf_counter()
     group = None
     if args.parallel.enabled:
@@ -157,7 +175,7 @@ def create_engine(args: EngineArgs) -> EngineCore:
                         prefill_only_step_tokens=args.prefill_only_step_tokens),
         vocab_size=config.vocab_size, eos_token_ids=tuple(eos),
         model_name=model_name_for(args.model),
-        generation=generation)
+        generation=generation, max_logprobs=args.max_logprobs)
     log.info("model loaded: %s, %.1fM parameters, dtype %s, quantization %s, weights %.0f MiB, "
              "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, "
              "prefix caching %s, scheduling %s, %.1fs",

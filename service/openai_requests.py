@@ -31,6 +31,7 @@ class ChatOptions:
     # Control-token text in messages stays text unless the clients are
     # trusted (docs/security.md).
     trust_control_tokens: bool = False
+    max_logprobs: int = 20      # --max-logprobs: the most top_logprobs a request may ask for
 
 
 @dataclass(slots=True)
@@ -281,9 +282,11 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer,
         else req.max_tokens
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+    limit = (chat or ChatOptions()).max_logprobs
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= limit:
         raise InvalidRequestError(
-            f"top_logprobs must be between 0 and 20, got {req.top_logprobs}", "top_logprobs")
+            f"top_logprobs must be between 0 and {limit}, got {req.top_logprobs}",
+            "top_logprobs")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens, num_logprobs, defaults,
                               structured=prompt.structured)

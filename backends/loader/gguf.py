@@ -102,6 +102,11 @@ def _open(path: pathlib.Path):
     return read_gguf(path)
 
 
+def read_gguf_tokenizer(path: pathlib.Path) -> TokenizerSpec:
+    """Only the tokenizer of a GGUF file (``--tokenizer``); no weight is read."""
+    return build_tokenizer_spec(_open(path).fields, str(path))
+
+
 # ------------------------------------------------------------------ config
 def _model_config(fields: Mapping[str, Any], tensors: Mapping[str, ReaderTensor],
                   path: pathlib.Path) -> ModelConfig:

@@ -79,7 +79,8 @@ _MAX_LISTED = 10
 
 
 def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-                   progress: bool = False, shard=None) -> LoadedModel:
+                   progress: bool = False, shard=None,
+                   tokenizer: TokenizerSpec | None = None) -> LoadedModel:
     """Load the model in Hugging Face folder ``path`` with weights in ``dtype``
     (``shard``: see ``backends.loader.load_model``; only that part of each
     tensor is read).
@@ -96,7 +97,7 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype = torch.floa
     if raw_config is None:
         raise ModelLoadError(f"{folder} has no config.json; is it a Hugging Face model folder?")
     config = parse_hf_config(raw_config, name=folder.resolve().name)
-    tokenizer = _load_tokenizer(folder)
+    tokenizer = tokenizer or load_tokenizer_folder(folder)
     sharder = shard(config) if shard is not None else None
     rename = _language_model_name if _is_multimodal(raw_config) else None
     weights = _load_weights(folder, dtype, progress, sharder, rename)
@@ -521,7 +522,7 @@ def _listing(items: list[str]) -> str:
 
 # ---------------------------------------------------------------- tokenizer
 
-def _load_tokenizer(folder: Path) -> TokenizerSpec:
+def load_tokenizer_folder(folder: Path) -> TokenizerSpec:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ModelLoadError(

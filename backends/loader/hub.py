@@ -31,6 +31,8 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "model.safetensors.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
 _SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 
@@ -81,6 +83,23 @@ def download_model(model: str, revision: str | None = None, download_dir: str | 
             + ("; HF_HUB_OFFLINE is set, so nothing was downloaded" if offline() else ""))
     ggufs = [name for name in wanted if name.endswith(".gguf")]
     return folder / ggufs[0] if ggufs else folder
+
+
+def download_tokenizer(source: str, revision: str | None = None,
+                       download_dir: str | None = None, progress: bool = False) -> Path:
+    """``--tokenizer org/name``: the snapshot folder holding only its
+    tokenizer files (``org/name:TAG``: the GGUF file, whose tokenizer is inside)."""
+    match = _HUB_ID.match(source)
+    if match is None or match.group("tag") is not None:
+        return download_model(source, revision, download_dir, progress)
+    repo = match.group("repo")
+    cache = Path(download_dir).expanduser() if download_dir else None
+    files = _list_files(repo, revision, cache)
+    wanted = [name for name in _TOKENIZER_FILES if name in files]
+    if "tokenizer.json" not in wanted:
+        raise ModelLoadError(f"{repo} has no tokenizer.json; Baton needs the fast "
+                             f"(tokenizers) format for --tokenizer")
+    return _fetch(repo, revision, cache, wanted, sum(files[n] or 0 for n in wanted), progress)
 
 
 def choose_files(repo: str, files: Mapping[str, int | None], tag: str | None) -> list[str]:
