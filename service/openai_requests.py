@@ -20,6 +20,7 @@ MAX_N = 128
 # Template variables a caller's chat_template_kwargs may not replace.
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                        "bos_token", "eos_token", "raise_exception", "strftime_now"})
+_THINKING_SWITCHES = frozenset({"enable_thinking", "thinking"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +215,8 @@ def _template_keywords(req, template: str) -> dict[str, Any]:
             raise InvalidRequestError(f"chat_template_kwargs may not set {key!r}; use the "
                                       "request field instead", "chat_template_kwargs")
         if key not in used:
+            if _thinking_switch_is_moot(key, value, template):
+                continue    # what the template does anyway: nothing is lost
             raise InvalidRequestError(
                 f"chat_template_kwargs: the chat template does not read {key!r}, so it "
                 f"would have no effect", "chat_template_kwargs")
@@ -223,6 +226,16 @@ def _template_keywords(req, template: str) -> dict[str, Any]:
         raise InvalidRequestError("documents: the chat template does not read documents",
                                   "documents")
     return keywords
+
+
+def _thinking_switch_is_moot(key: str, value: Any, template: str) -> bool:
+    """A thinking switch (Qwen3's ``enable_thinking``, DeepSeek's
+    ``thinking``) that the template does not read asks for what it does
+    anyway when it is off for a template that never writes a think tag, or
+    on for one that always does: clients that send it to every model work."""
+    if key not in _THINKING_SWITCHES or not isinstance(value, bool):
+        return False
+    return value == ("<think>" in template)
 
 
 def _template(req, tokenizer: Tokenizer, chat: ChatOptions) -> str | None:

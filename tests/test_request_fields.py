@@ -161,6 +161,39 @@ def test_template_fields_change_the_prompt(server):
     assert text.endswith("<|im_start|>assistant\nBonjour, le")
 
 
+def test_a_thinking_switch_the_template_cannot_honour(tiny_llama_dir):
+    # The fixture's plain ChatML template reads no enable_thinking and never
+    # thinks: "off" changes nothing and is accepted; "on" is a 400.
+    with running_server(create_engine(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
+                                                 num_kv_blocks=64)), ServerConfig()) as srv:
+        plain = _prompt(srv)
+        for switch in ({"enable_thinking": False}, {"thinking": False}):
+            assert _prompt(srv, chat_template_kwargs=switch) == plain
+            status, _ = _post(srv, "/v1/chat/completions", {
+                "messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": switch})
+            assert status == 200
+        for bad in ({"enable_thinking": True}, {"enable_thinking": "no"}, {"other": False}):
+            status, reply = _post(srv, "/v1/chat/completions", {
+                "messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": bad})
+            assert status == 400 and reply["error"]["param"] == "chat_template_kwargs"
+            assert next(iter(bad)) in reply["error"]["message"]
+        srv.wait_idle()
+
+
+def test_a_template_that_always_thinks_cannot_switch_it_off():
+    from backends.errors import InvalidRequestError
+    from service.openai_requests import _template_keywords
+    from service.protocol import ChatCompletionRequest, ChatMessage
+    always = "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n"
+
+    def request(**kwargs):
+        return ChatCompletionRequest(messages=[ChatMessage("user", "hi")],
+                                     chat_template_kwargs=kwargs)
+    assert _template_keywords(request(enable_thinking=True), always) == {}
+    with pytest.raises(InvalidRequestError, match="enable_thinking"):
+        _template_keywords(request(enable_thinking=False), always)
+
+
 def test_truncate_prompt_tokens_keeps_the_end(server, client):
     resp = client.completions.create(model=server.state.model_name, prompt="Hello, world! " * 5,
                                      max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
