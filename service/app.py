@@ -31,7 +31,7 @@ from service.openai_requests import ChatOptions, chat_prompt, prepare_chat, prep
 from service.openapi import openapi_document
 from service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                              TokenizeResponse, VersionResponse)
+                              TokenizeResponse, TokenizerInfoResponse, VersionResponse)
 
 log = logging.getLogger("baton.http")
 _encoder = msgspec.json.Encoder()
@@ -296,7 +296,19 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = await state.off_loop(tok.encode, req.prompt, req.add_special_tokens is not False)
     else:
         raise APIError(400, "give either prompt or messages", param="prompt")
-    return _json(TokenizeResponse(ids, len(ids), engine.model.max_model_len))
+    strs = [tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
+    return _json(TokenizeResponse(ids, len(ids), engine.model.max_model_len, strs))
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    spec = engine.tokenizer.spec
+    # Baton reads tokenizer.json with the tokenizers library: in transformers'
+    # terms, a PreTrainedTokenizerFast.
+    return _json(TokenizerInfoResponse(
+        "PreTrainedTokenizerFast", engine.tokenizer.vocab_size, engine.model.max_model_len,
+        spec.add_bos_token, spec.bos_token, spec.eos_token, spec.chat_template))
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -383,6 +395,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/dashboard", dashboard)

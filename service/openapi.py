@@ -22,6 +22,8 @@ _ROUTES = [
     ("post", "/tokenize", "Text or messages to token ids", p.TokenizeRequest,
      p.TokenizeResponse),
     ("post", "/detokenize", "Token ids to text", p.DetokenizeRequest, p.DetokenizeResponse),
+    ("get", "/tokenizer_info", "The tokenizer's settings (as vLLM's)", None,
+     p.TokenizerInfoResponse),
     ("get", "/version", "Baton's version", None, p.VersionResponse),
 ]
 _STREAM_CHUNKS = {"/v1/completions": p.CompletionChunk,

@@ -211,6 +211,7 @@ class TokenizeRequest(_Strict):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False     # vLLM's: each token's vocabulary string too
 
 
 class DetokenizeRequest(_Strict):
@@ -365,6 +366,19 @@ class TokenizeResponse(msgspec.Struct):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class TokenizerInfoResponse(msgspec.Struct, omit_defaults=True):
+    """GET /tokenizer_info, as vLLM serves it: the tokenizer's settings."""
+
+    tokenizer_class: str
+    vocab_size: int
+    model_max_length: int
+    add_bos_token: bool
+    bos_token: str | None = None
+    eos_token: str | None = None
+    chat_template: str | None = None
 
 
 class DetokenizeResponse(msgspec.Struct):

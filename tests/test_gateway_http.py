@@ -203,6 +203,26 @@ async def test_tokenize_detokenize_round_trip(server, http):
         assert (await resp.json())["prompt"] == text
 
 
+async def test_tokenize_returns_token_strings_and_tokenizer_info(server, http):
+    async with http.post("/tokenize", json={"prompt": "Hello world",
+                                            "return_token_strs": True}) as resp:
+        tok = await resp.json()
+    vocab = server.core.tokenizer
+    assert tok["token_strs"] == [vocab.id_to_token(i) for i in tok["tokens"]]
+    assert "".join(tok["token_strs"]).replace("\u0120", " ") == "Hello world"  # byte-level BPE
+    async with http.post("/tokenize", json={"prompt": "Hello"}) as resp:
+        assert (await resp.json())["token_strs"] is None
+    async with http.get("/tokenizer_info") as resp:
+        assert resp.status == 200
+        info = await resp.json()
+    spec = vocab.spec
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert info["vocab_size"] == vocab.vocab_size and info["model_max_length"] == MAX_MODEL_LEN
+    assert (info["bos_token"], info["eos_token"]) == (spec.bos_token, spec.eos_token)
+    assert info["add_bos_token"] is spec.add_bos_token
+    assert info["chat_template"] == spec.chat_template
+
+
 async def test_tokenize_messages_matches_chat_prompt(http):
     messages = [{"role": "user", "content": "Hi"}]
     async with http.post("/tokenize", json={"messages": messages}) as resp:
