@@ -64,7 +64,8 @@ class StructuredOutputSpec:
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction.
 
-    ``max_tokens=None`` means "until the context is full". ``top_k`` of -1 or 0
+    ``max_tokens=None`` means "until the context is full"; 0 means "compute
+    the prompt only" (prompt scoring: its logprobs, no token sampled). ``top_k`` of -1 or 0
     disables top-k. ``logprobs`` is the number of top alternatives to return
     beside the chosen token's logprob (0 returns only the chosen one); None
     returns none.
@@ -90,9 +91,10 @@ class SamplingParams:
     structured: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise InvalidRequestError(
-                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+                f"max_tokens must be at least 1 (or 0 to score the prompt only), got "
+                f"{self.max_tokens}", "max_tokens")
         _check_finite(self.temperature, "temperature")
         if self.temperature < 0:
             raise InvalidRequestError(

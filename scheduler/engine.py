@@ -117,7 +117,7 @@ class EngineCore:
                 f"priorities", "priority")
         self.validate(prompt_token_ids, params)
         n = len(prompt_token_ids)
-        max_tokens = params.max_tokens or (self.max_model_len - n)
+        max_tokens = self.max_model_len - n if params.max_tokens is None else params.max_tokens
         request = Request(request_id, list(prompt_token_ids), params,
                           max_tokens=min(max_tokens, self.max_model_len - n),
                           eos_token_ids=self.eos_token_ids, priority=priority)
@@ -143,13 +143,15 @@ class EngineCore:
                 "prompt")
         limit = self.max_model_len
         n = len(prompt)
-        asked = n + (params.max_tokens or 1)
-        if n >= limit or asked > limit:
+        wanted = 1 if params.max_tokens is None else params.max_tokens
+        asked = n + wanted
+        # A scored prompt (max_tokens 0) may fill the context; others need room for a token.
+        if asked > limit or (n >= limit and wanted > 0):
             # Name what overflows: the prompt alone, or the completion asked for.
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {asked} tokens ({n} in the prompt, "
-                f"{params.max_tokens or 1} for the completion). Please reduce the length "
+                f"requested {max(asked, n + 1)} tokens ({n} in the prompt, "
+                f"{max(wanted, 1)} for the completion). Please reduce the length "
                 f"of the prompt or of max_tokens.",
                 "prompt" if n >= limit else "max_tokens")
         for asked in (params.logprobs, params.prompt_logprobs):
@@ -263,13 +265,12 @@ class EngineCore:
                 continue
             logprobs = [update.logprobs] if update.logprobs is not None else None
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
+            new_ids = [] if update.token_id is None else [update.token_id]  # None: scored
             if request.is_finished:
                 text = update.text + self._detokenizers[request.request_id].flush()
-                outputs.append(self._final_output(request, [update.token_id], text, None,
-                                                  logprobs))
+                outputs.append(self._final_output(request, new_ids, text, None, logprobs))
             else:
-                outputs.append(self._output(request, [update.token_id], update.text,
-                                            logprobs))
+                outputs.append(self._output(request, new_ids, update.text, logprobs))
             outputs[-1].prompt_logprobs = prompt_logprobs
         for request in hook_failed:
             if request.is_finished:  # it ended on this very token all the same

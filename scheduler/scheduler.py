@@ -49,7 +49,7 @@ class TokenUpdate:
     when the token ended it. ``text`` is what the text hook released for it."""
 
     request: Request
-    token_id: int
+    token_id: int | None        # None: a scored prompt (max_tokens 0) computed, no token
     logprobs: TokenLogprobs | None
     text: str = ""
 
@@ -250,7 +250,8 @@ class Scheduler:
             token_ids=request.token_slice(start, start + num_new),
             start_pos=start,
             block_table=self.kv_cache.block_table(request.request_id),
-            sample=request.num_computed_tokens == request.num_tokens,
+            # A scored prompt (max_tokens 0) only needs its positions computed.
+            sample=request.num_computed_tokens == request.num_tokens and request.max_tokens > 0,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=list(request.prompt_token_ids) if first else None,
@@ -291,6 +292,13 @@ class Scheduler:
             reason, stop_reason = self._check_stop(request, token_id, stop_string)
             if reason is not None:
                 self.finish_request(request_id, reason, stop_reason)
+        for scheduled in output.requests:
+            request = self.requests.get(scheduled.request_id)
+            if (request is not None and request.max_tokens == 0
+                    and request.num_computed_tokens == request.num_tokens):
+                # A scored prompt ends once it is computed: nothing was sampled.
+                updates.append(TokenUpdate(request, None, None))
+                self.finish_request(request.request_id, FinishReason.LENGTH)
         return updates
 
     def _check_stop(self, request: Request, token_id: int, stop_string: str | None = None

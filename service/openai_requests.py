@@ -146,6 +146,9 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
             texts.append(tokenizer.decode(list(item), skip_special_tokens=False)
                          if req.echo else "")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not req.echo:
+        raise InvalidRequestError("max_tokens 0 scores the prompt without generating: it "
+                                  "needs echo (with logprobs for the scores)", "max_tokens")
     # echo with logprobs lists the prompt's tokens too, each scored given
     # the ones before it.
     prompt_logprobs = req.logprobs if req.echo else None
@@ -293,6 +296,10 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer,
     prompt = chat_prompt(req, tokenizer, chat, answer)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}",
+                                  "max_completion_tokens" if req.max_completion_tokens
+                                  is not None else "max_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     limit = (chat or ChatOptions()).max_logprobs

@@ -192,7 +192,7 @@ def test_max_tokens_none_runs_to_context_length(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),  # 0 scores the prompt (test_prompt_scoring.py)
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
