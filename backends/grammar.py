@@ -16,6 +16,7 @@ is cached by constraint; the backend then only copies a ready matcher.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -154,7 +155,8 @@ def _grammar_text(spec: StructuredOutputSpec) -> str:
         schema = json.loads(spec.source)
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object")
-        return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        return LLMatcher.grammar_from_json_schema(schema,
+                                                  overrides={**options, "lenient": spec.lenient})
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.source)
     if spec.kind == "choice":
@@ -167,6 +169,28 @@ def _grammar_text(spec: StructuredOutputSpec) -> str:
         # Lark, or GBNF (llama.cpp's EBNF, what vLLM's xgrammar backend reads)
         return LLMatcher.grammar_from_lark(any_to_lark(spec.source))
     raise ValueError(f"unknown constraint kind {spec.kind!r}")
+
+
+def exactness_problem(schema: Any) -> str | None:
+    """Why the JSON schema ``schema`` cannot be enforced exactly (a keyword
+    or format the grammar engine does not implement, named as it says it),
+    or None. No tokenizer needed: a strict schema is checked with this
+    before it joins a lenient grammar (where, having nothing to relax, it is
+    enforced exactly all the same)."""
+    if not isinstance(schema, dict):
+        return "a JSON schema must be an object"
+    return _exactness_problem(json.dumps(schema, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _exactness_problem(schema_json: str) -> str | None:
+    from llguidance import LLMatcher
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema_json, overrides={"lenient": False})
+    except Exception as exc:  # noqa: BLE001 - converters raise assorted types
+        return str(exc)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return _first_line(messages[0]) if is_error and messages else None
 
 
 def _first_line(message: str) -> str:

@@ -51,6 +51,9 @@ class StructuredOutputSpec:
     GBNF when it uses ``::=``). JSON is written compactly (", " and ": ")
     unless ``any_whitespace`` or a ``whitespace_pattern`` allows more.
     ``param`` is the request field it came from, for error messages.
+    ``lenient`` (a JSON schema only): keywords and formats the grammar engine
+    does not implement (``uniqueItems``, ``format: path`` ...) are left
+    unenforced instead of refused, as OpenAI treats non-strict schemas.
     """
 
     kind: str
@@ -58,6 +61,7 @@ class StructuredOutputSpec:
     any_whitespace: bool = False
     whitespace_pattern: str | None = None
     param: str = field(default="response_format", compare=False)
+    lenient: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from backends.errors import InvalidRequestError
+from backends.grammar import exactness_problem
 from backends.interface import StructuredOutputSpec
 from service.protocol import ResponseFormat, StructuredOutputs
 
@@ -37,7 +38,13 @@ def response_format_spec(fmt: ResponseFormat | None) -> StructuredOutputSpec | N
             raise InvalidRequestError(
                 "response_format of type json_schema needs json_schema.schema",
                 "response_format")
-        return StructuredOutputSpec("json", _dumps(fmt.json_schema.schema_))
+        schema = fmt.json_schema.schema_
+        if fmt.json_schema.strict is True:
+            _check_exact(schema, "response_format", "response_format.json_schema is strict")
+        # Not strict: what the grammar engine cannot enforce is left to the
+        # model, as OpenAI does (docs/serving.md, "Lenient schemas").
+        return StructuredOutputSpec("json", _dumps(schema),
+                                    lenient=fmt.json_schema.strict is not True)
     if fmt.type == "structural_tag":
         raise InvalidRequestError("response_format type structural_tag is not supported; use "
                                   "tools, json_schema or structured_outputs.grammar",
@@ -88,6 +95,16 @@ def request_spec(response_format: ResponseFormat | None,
         raise InvalidRequestError("give either response_format or structured_outputs, not both",
                                   "structured_outputs")
     return a or b
+
+
+def _check_exact(schema: Any, param: str, what: str) -> None:
+    """A strict schema is enforced exactly or refused, naming what cannot be."""
+    problem = exactness_problem(schema)
+    if problem is not None:
+        raise InvalidRequestError(
+            f"{what}, and the grammar engine cannot enforce all of it exactly: {problem}. "
+            f"Without strict: true, keywords and formats it does not implement are left "
+            f"unenforced (docs/serving.md, \"Lenient schemas\")", param)
 
 
 def _dumps(schema: Any) -> str:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.errors import InvalidRequestError
+from backends.grammar import exactness_problem
 from backends.interface import StructuredOutputSpec
 from service.chat_template import template_variables
 
@@ -99,7 +100,7 @@ class ToolPlan:
                     "response": self.answer_schema or {"type": "string"}},
                     "required": ["response"], "additionalProperties": False}
                 calls = {"anyOf": [calls, answer]}
-            return StructuredOutputSpec("json", json.dumps(calls), param="tools")
+            return StructuredOutputSpec("json", json.dumps(calls), param="tools", lenient=True)
         if self.choice == "auto" and self.answer_schema is None:
             return None
         key = "parameters" if self.format == LLAMA3_JSON else "arguments"
@@ -129,7 +130,10 @@ class ToolPlan:
 
 
 def _lark_json(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": _COMPACT})
+    # Lenient: a non-strict tool's keywords the grammar engine does not
+    # implement are left unenforced (as OpenAI does); strict tools were
+    # checked to have none (plan_tools), so nothing of theirs is relaxed.
+    return "%json " + json.dumps({**schema, "x-guidance": {**_COMPACT, "lenient": True}})
 
 
 def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None, fmt: str,
@@ -158,6 +162,11 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None, fmt: str,
             entry["description"] = f.description
         entry["parameters"] = f.parameters if f.parameters is not None else {
             "type": "object", "properties": {}}
+        if f.strict and (problem := exactness_problem(entry["parameters"])) is not None:
+            raise InvalidRequestError(
+                f"tools[{i}] ({f.name}) is strict, and the grammar engine cannot enforce its "
+                f"parameters exactly: {problem}. Without strict: true, keywords and formats "
+                f"it does not implement are left unenforced", "tools")
         functions[f.name] = entry
     if choice == "none":
         return None
@@ -175,6 +184,10 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None, fmt: str,
             raise InvalidRequestError("beside tools, only a JSON constraint can shape the "
                                       "answer", answer.param)
         answer_schema = json.loads(answer.source)
+        if not answer.lenient and (problem := exactness_problem(answer_schema)) is not None:
+            # Beside tools the answer joins a lenient grammar: refuse here what
+            # its own constraint would have refused.
+            raise InvalidRequestError(f"invalid json constraint: {problem}", answer.param)
     # Several calls per reply: as OpenAI, unless the client says false; in the
     # generic format only when it says true, as models never trained on tools
     # tend to repeat one call until max_tokens when an array is open to them.
