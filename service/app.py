@@ -28,7 +28,12 @@ from service.observability import Observability
 from service.guards import check_api_key, install_malformed_request_filter, read_json_body
 from service.http_errors import APIError, from_decode_error, from_invalid_request
 from service.openai_requests import ChatOptions, chat_prompt, prepare_chat, prepare_completion
+from service.messages_api import MESSAGES_PATH, MessagesTurn, anthropic_error
+from service.messages_protocol import MessagesRequest
 from service.openapi import openapi_document
+from service.responses_api import ResponsesTurn, delete_response, stored_response
+from service.responses_protocol import ResponsesRequest
+from service.responses_store import ResponsesStore
 from service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                               TokenizeResponse, TokenizerInfoResponse, VersionResponse)
@@ -53,6 +58,8 @@ class ServerState:
         max_workers=PREPROCESS_THREADS, thread_name_prefix="baton-preprocess"))
     preprocess_slots: asyncio.Semaphore = field(
         default_factory=lambda: asyncio.Semaphore(2 * PREPROCESS_THREADS))
+    # Stored responses (the Responses API's store); made by create_app from the config.
+    responses: ResponsesStore | None = None
 
     def ready_engine(self) -> AsyncEngine:
         if self.phase == "loading" or self.engine is None:
@@ -107,30 +114,32 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
+    # Each API's own error envelope: Anthropic's on its route, OpenAI's elsewhere.
+    render = anthropic_error if request.path.startswith(MESSAGES_PATH) else APIError.response
     try:
         return await handler(request)
     except APIError as exc:
-        response = exc.response()
+        response = render(exc)
         if exc.status == 408:
             response.force_close()  # the rest of that body is not worth waiting for
         return response
     except InvalidRequestError as exc:
-        return from_invalid_request(exc).response()
+        return render(from_invalid_request(exc))
     except web.HTTPRequestEntityTooLarge as exc:
-        return APIError(413, f"request body too large: {exc.text}").response()
+        return render(APIError(413, f"request body too large: {exc.text}"))
     except web.HTTPNotFound:
-        return APIError(404, f"no route for {request.method} {request.path}").response()
+        return render(APIError(404, f"no route for {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
-        return APIError(405, f"method {request.method} not allowed on {request.path} "
-                             f"(allowed: {allowed})", headers={"Allow": allowed}).response()
+        return render(APIError(405, f"method {request.method} not allowed on {request.path} "
+                                    f"(allowed: {allowed})", headers={"Allow": allowed}))
     except web.HTTPException:
         raise
     except (ConnectionResetError, ConnectionError):
         raise
     except Exception as exc:  # noqa: BLE001 - the envelope beats a stack trace to the client
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return render(APIError(500, f"internal error: {type(exc).__name__}"))
 
 
 @web.middleware
@@ -145,8 +154,18 @@ async def _read(request: web.Request) -> bytes:
 
 # ------------------------------------------------------------------ handlers
 
-async def _generate(request: web.Request, type_, prepare,
-                    operation: str) -> web.StreamResponse:
+class _ChatAnswer:
+    """How completions and chat answer (service/generation.py); the
+    Responses and Messages APIs bring their own (service/responses_api.py,
+    service/messages_api.py), with their own names for chat's parameters."""
+
+    param_names: dict[str, str] = {}
+    whole = staticmethod(respond_whole)
+    stream = staticmethod(respond_stream)
+
+
+async def _generate(request: web.Request, type_, prepare, operation: str,
+                    answer=_ChatAnswer) -> web.StreamResponse:
     state = request.app[STATE]
     telemetry = state.obs.begin(operation, request.headers) if state.obs else None
     error_type: str | None = None
@@ -168,13 +187,14 @@ async def _generate(request: web.Request, type_, prepare,
                         telemetry)
         state.in_flight += 1
         if prepared.stream:
-            return await respond_stream(run, request)
-        return await respond_whole(run)
+            return await answer.stream(run, request)
+        return await answer.whole(run)
     except APIError as exc:
         error_type = exc.code or exc.error_type
         raise
     except InvalidRequestError as exc:
         error_type = "invalid_request_error"
+        exc.param = answer.param_names.get(exc.param, exc.param)
         raise
     except asyncio.CancelledError:
         error_type = "client_disconnected"
@@ -193,8 +213,9 @@ async def _generate(request: web.Request, type_, prepare,
 def _apply_default_max_tokens(cfg, engine: AsyncEngine, req, prepared) -> None:
     """--default-max-tokens for a request that sends none, cut to what the
     context leaves (the client asked for no particular length)."""
-    if cfg.default_max_tokens is None or req.max_tokens is not None \
-            or getattr(req, "max_completion_tokens", None) is not None:
+    if cfg.default_max_tokens is None or any(
+            getattr(req, name, None) is not None
+            for name in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
         return
     room = engine.model.max_model_len - max(len(p) for p in prepared.prompts)
     max_tokens = max(1, min(cfg.default_max_tokens, room))
@@ -260,6 +281,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, ChatCompletionRequest, prepare_chat, "chat")
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    turn = ResponsesTurn(request.app[STATE].responses)
+    return await _generate(request, ResponsesRequest, turn.prepare, "chat", turn)
+
+
+async def get_response(request: web.Request) -> web.Response:
+    return stored_response(request.app[STATE].responses, request.match_info["response_id"])
+
+
+async def delete_stored_response(request: web.Request) -> web.Response:
+    return delete_response(request.app[STATE].responses, request.match_info["response_id"])
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    turn = MessagesTurn()
+    return await _generate(request, MessagesRequest, turn.prepare, "chat", turn)
 
 
 def _served_names(state: ServerState) -> list[str]:
@@ -383,6 +422,9 @@ def create_app(state: ServerState) -> web.Application:
     app = web.Application(client_max_size=state.config.max_body_bytes,
                           middlewares=[error_middleware, auth_middleware])
     app[STATE] = state
+    if state.responses is None:
+        state.responses = ResponsesStore(state.config.responses_store_bytes,
+                                         state.config.responses_store_ttl)
     setup_cors(app, state.config.allowed_origins)
 
     async def stop_preprocessing(_app: web.Application) -> None:
@@ -391,6 +433,10 @@ def create_app(state: ServerState) -> web.Application:
     app.on_cleanup.append(stop_preprocessing)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_stored_response)
+    app.router.add_post("/v1/messages", create_message)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/tokenize", tokenize)

@@ -317,7 +317,9 @@ def server_config_from(ns: argparse.Namespace):
         log_prompts=ns.log_prompts, log_requests=not ns.disable_log_requests,
         allowed_origins=tuple(ns.allowed_origins or ()),
         tool_call_parser=ns.tool_call_parser,
-        trust_request_chat_template=ns.trust_request_chat_template)
+        trust_request_chat_template=ns.trust_request_chat_template,
+        responses_store_bytes=ns.responses_store_size,
+        responses_store_ttl=ns.responses_store_ttl)
 
 
 def parse_serve_argv(argv: list[str]):
@@ -405,6 +407,11 @@ def _add_serve_flags(srv: argparse.ArgumentParser) -> None:
           metavar="{hermes,llama3_json,llama4_json,generic}")
     _flag(srv, "--trust-request-chat-template", False, "accept a chat_template field in "
           "requests", action="store_true")
+    _flag(srv, "--responses-store-size", "128MiB", "memory for stored responses (the "
+          "Responses API's store and previous_response_id); the oldest go first beyond it; "
+          "0: keep none", convert=_bytes)
+    _flag(srv, "--responses-store-ttl", 3600.0, "seconds a stored response is kept",
+          convert=float)
 
 
 def build_parser() -> argparse.ArgumentParser:

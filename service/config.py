@@ -110,6 +110,10 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()    # CORS; empty: no CORS headers ("*": any)
     tool_call_parser: str | None = None     # hermes | llama3_json | generic; None: detect
     trust_request_chat_template: bool = False  # let requests carry their own chat_template
+    # Stored responses (POST /v1/responses with store): the bytes they may
+    # hold in all (0: none are kept) and seconds each is kept.
+    responses_store_bytes: int = 128 * 2**20
+    responses_store_ttl: float = 3600.0
 
     def fault_policy(self) -> FaultPolicy:
         return FaultPolicy(unhealthy_after_failed_steps=self.unhealthy_after_failed_steps,

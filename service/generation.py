@@ -29,6 +29,9 @@ from service.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
 from service.tool_call_parser import CallDelta, ToolCallParser, coalesce, merge_calls
 
 _encoder = msgspec.json.Encoder()
+# Response ids as each API writes them (PreparedRequest.kind -> prefix).
+_ID_PREFIXES = {"chat": "chatcmpl-", "text_completion": "cmpl-", "response": "resp_",
+                "message": "msg_"}
 
 
 def client_finish_reason(reason: str | None) -> str | None:
@@ -59,8 +62,7 @@ class GenerationRun:
         self.prepared = prepared
         self.model = model
         self.timeout = timeout
-        prefix = "chatcmpl" if prepared.kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{prepared.request_id or uuid.uuid4().hex}"
+        self.id = f"{_ID_PREFIXES[prepared.kind]}{prepared.request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.request_ids: list[str] = []
         self.index_of: dict[str, int] = {}

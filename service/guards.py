@@ -42,10 +42,17 @@ def api_key_matches(authorization: str | None, key: str) -> bool:
 
 
 def check_api_key(request: web.Request, config: ServerConfig) -> None:
-    if config.api_key and not is_public(request.path, config) and \
-            not api_key_matches(request.headers.get(hdrs.AUTHORIZATION), config.api_key):
-        raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    """``Authorization: Bearer KEY``, or ``x-api-key: KEY`` as Anthropic's
+    clients send it."""
+    if not config.api_key or is_public(request.path, config):
+        return
+    x_api_key = request.headers.get("x-api-key")
+    if api_key_matches(request.headers.get(hdrs.AUTHORIZATION), config.api_key) or (
+            x_api_key is not None and api_key_matches(f"Bearer {x_api_key}", config.api_key)):
+        return
+    raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY, or "
+                        "x-api-key: KEY)", code="invalid_api_key",
+                   headers={"WWW-Authenticate": "Bearer"})
 
 
 async def read_json_body(request: web.Request, timeout: float | None) -> bytes:

@@ -39,7 +39,7 @@ class ChatOptions:
 class PreparedRequest:
     """``prompts[i]`` becomes choices ``i * n .. i * n + n - 1``."""
 
-    kind: str                       # "text_completion" or "chat"
+    kind: str                       # "text_completion", "chat"; "response", "message"
     prompts: list[list[int]]
     prompt_texts: list[str]         # for echo
     params: SamplingParams

@@ -204,3 +204,22 @@ def gated_backend(core: EngineCore) -> Iterator[threading.Event]:
             yield gate
         finally:
             gate.set()
+
+
+@contextlib.contextmanager
+def captured_prompts(server: Server) -> Iterator[list[str]]:
+    """The prompt text (special tokens kept) of every request the gateway
+    adds to the engine meanwhile: what a chat template made of a request."""
+    engine = server.engine
+    real = engine.add_request
+    prompts: list[str] = []
+
+    def add_request(prompt_token_ids, params, *args, **kwargs):
+        prompts.append(engine.tokenizer.decode(list(prompt_token_ids), False))
+        return real(prompt_token_ids, params, *args, **kwargs)
+
+    engine.add_request = add_request
+    try:
+        yield prompts
+    finally:
+        del engine.add_request  # back to the class's method
