@@ -69,14 +69,11 @@ class ReplyBlocks:
             if final:
                 delta.extend(self._parser.finish())
         events: list[BlockEvent] = []
-        # A piece holding both: text after the call already open, else before the calls.
-        text_first = not (self._open is not None and self._open.kind == CALL)
-        if text_first:
-            self._text(delta.content, events)
-        for call in delta.calls:
-            self._call(call, events)
-        if not text_first:
-            self._text(delta.content, events)
+        for piece in delta.order:     # text and calls in the order the reply wrote them
+            if isinstance(piece, str):
+                self._text(piece, events)
+            else:
+                self._call(piece, events)
         if final:
             self._close(events)
         return events

@@ -52,12 +52,31 @@ class ParsedCall:
 
 @dataclass(slots=True)
 class ParserDelta:
+    """New content and call pieces; ``order`` holds both as the reply wrote
+    them (a text is a ``str``), for answers that keep text and calls apart
+    as blocks (service/reply.py)."""
+
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
+    order: list[str | CallDelta] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.order:
+            self.order = ([self.content] if self.content else []) + list(self.calls)
+
+    def add_text(self, text: str) -> None:
+        if text:
+            self.content += text
+            self.order.append(text)
+
+    def add_calls(self, calls: list[CallDelta]) -> None:
+        self.calls += calls
+        self.order += calls
 
     def extend(self, other: "ParserDelta") -> "ParserDelta":
         self.content += other.content
         self.calls += other.calls
+        self.order += other.order
         return self
 
 
@@ -174,10 +193,10 @@ class ToolCallParser:
                 if at < 0:
                     keep = 0 if final else _partial_suffix(text[self.pos:], _OPEN)
                     cut = len(text) - keep
-                    out.content += self._between_calls(text[self.pos:cut])
+                    out.add_text(self._between_calls(text[self.pos:cut]))
                     self.pos = cut
                     return out
-                out.content += self._between_calls(text[self.pos:at])
+                out.add_text(self._between_calls(text[self.pos:at]))
                 self.pos = at
                 self._new_call(at + len(_OPEN))
             call = self.call
@@ -191,14 +210,14 @@ class ToolCallParser:
             if call.name is None:
                 name = call.name_so_far(body)
                 if isinstance(name, str):
-                    out.calls += self._open_call(name, body)
+                    out.add_calls(self._open_call(name, body))
             else:
-                out.calls += call.advance(body)
+                out.add_calls(call.advance(body))
             if close < 0 and not final:
                 return out
             end = len(text) if close < 0 else close + len(_CLOSE)
             if call.name is None:    # not a call after all: the block is content
-                out.content += text[self.pos:end]
+                out.add_text(text[self.pos:end])
             self.pos, self.call = end, None
             if close < 0:
                 return out
@@ -222,9 +241,10 @@ class ToolCallParser:
             self.pos = len(text) - len(head) if self.mode == "calls" else 0
         out = ParserDelta()
         if self.mode == "calls":
-            out.calls = self._llama_calls(text, final)
+            out.add_calls(self._llama_calls(text, final))
         if self.mode == "content":
-            out.content, self.pos = text[self.pos:], len(text)
+            out.add_text(text[self.pos:])
+            self.pos = len(text)
         return out
 
     def _llama_calls(self, text: str, final: bool) -> list[CallDelta]:
@@ -281,7 +301,7 @@ class ToolCallParser:
         if self.mode == "calls":
             out = self._generic_calls(text)
             if final and self.num_calls == 0:
-                out.content = text      # cut short before a call's name: as written
+                out.add_text(text)      # cut short before a call's name: as written
             return out
         if not final:
             return ParserDelta()
@@ -318,9 +338,9 @@ class ToolCallParser:
                     if name is False:
                         self.pos, self.call = len(text), None
                     return out
-                out.calls += self._open_call(name)
+                out.add_calls(self._open_call(name))
             else:
-                out.calls += call.advance(text)
+                out.add_calls(call.advance(text))
             if not call.scan.done:
                 return out
             self.pos, self.call = call.scan.end, None
