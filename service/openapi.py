@@ -6,7 +6,9 @@ import functools
 
 import msgspec
 
+from service import messages_protocol as m
 from service import protocol as p
+from service import responses_protocol as r
 
 _JSON = "application/json"
 
@@ -25,15 +27,32 @@ _ROUTES = [
     ("get", "/tokenizer_info", "The tokenizer's settings (as vLLM's)", None,
      p.TokenizerInfoResponse),
     ("get", "/version", "Baton's version", None, p.VersionResponse),
+    ("post", "/v1/responses", "Create a response (OpenAI Responses API; stream=true for its "
+     "typed events)", r.ResponsesRequest, r.Response),
+    ("get", "/v1/responses/{response_id}", "A stored response (404 once deleted or expired)",
+     None, r.Response),
+    ("delete", "/v1/responses/{response_id}", "Delete a stored response", None,
+     r.DeletedResponse),
+    ("post", "/v1/messages", "Create a message (Anthropic Messages API; stream=true for its "
+     "events; errors in Anthropic's envelope)", m.MessagesRequest, m.MessageOut),
 ]
 _STREAM_CHUNKS = {"/v1/completions": p.CompletionChunk,
-                  "/v1/chat/completions": p.ChatCompletionChunk}
+                  "/v1/chat/completions": p.ChatCompletionChunk,
+                  "/v1/responses": r.ResponseEvent, "/v1/messages": m.StreamEvent}
+_NAMED_EVENTS = {"/v1/responses", "/v1/messages"}
 
 
-def _event_stream(chunk) -> dict:
+def _event_stream(path: str, chunk) -> dict:
     """With stream=true the body is text: server-sent events, not one JSON
     document; each event's data is a chunk (its schema is in components)."""
     name = chunk.__name__
+    if path in _NAMED_EVENTS:
+        kinds = ", ".join(f"#/components/schemas/{e.__name__}" for e in chunk.__subclasses__())
+        return {"type": "string",
+                "description": f"Server-sent events (stream=true). Each event is a line "
+                              f"`event: <type>`, a line `data: <the event as JSON>` (one of "
+                              f"{kinds}; its `type` is the event's) and a blank line; the "
+                              f"last event ends the stream."}
     return {"type": "string",
             "description": f"Server-sent events (stream=true). Each event is a line "
                           f"`data: <{name} as JSON>` (#/components/schemas/{name}) and a "
@@ -45,23 +64,27 @@ def _event_stream(chunk) -> dict:
 @functools.lru_cache(maxsize=2)
 def openapi_document(version: str) -> bytes:
     types = [t for _, _, _, req, resp in _ROUTES for t in (req, resp) if t is not None]
-    types += [p.ErrorResponse, *_STREAM_CHUNKS.values()]
+    types += [p.ErrorResponse, m.ErrorEvent, p.CompletionChunk, p.ChatCompletionChunk,
+              *r.ResponseEvent.__subclasses__(), *m.StreamEvent.__subclasses__()]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
     refs = dict(zip(types, schemas))
     error = {"description": "an error in OpenAI's envelope",
              "content": {_JSON: {"schema": refs[p.ErrorResponse]}}}
+    anthropic_error = {"description": "an error in Anthropic's envelope",
+                       "content": {_JSON: {"schema": refs[m.ErrorEvent]}}}
     paths: dict = {}
     for method, path, summary, req, resp in _ROUTES:
         content = {_JSON: {"schema": refs[resp]}}
         if path in _STREAM_CHUNKS:
-            content["text/event-stream"] = {"schema": _event_stream(_STREAM_CHUNKS[path])}
+            content["text/event-stream"] = {"schema": _event_stream(path, _STREAM_CHUNKS[path])}
         op = {"summary": summary,
               "responses": {"200": {"description": "success", "content": content},
-                            "default": error}}
-        if "{model}" in path:
-            op["parameters"] = [{"name": "model", "in": "path", "required": True,
-                                 "schema": {"type": "string"}}]
+                            "default": anthropic_error if path == "/v1/messages" else error}}
+        for name in ("model", "response_id"):
+            if "{" + name + "}" in path:
+                op["parameters"] = [{"name": name, "in": "path", "required": True,
+                                     "schema": {"type": "string"}}]
         if req is not None:
             op["requestBody"] = {"required": True,
                                  "content": {_JSON: {"schema": refs[req]}}}

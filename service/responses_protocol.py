@@ -183,21 +183,19 @@ class OutputText(msgspec.Struct):
     type: str = "output_text"
 
 
-class OutputMessage(msgspec.Struct):
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
     id: str
     status: str
     content: list[OutputText]
     role: str = "assistant"
-    type: str = "message"
 
 
-class OutputFunctionCall(msgspec.Struct):
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
     id: str
     call_id: str
     name: str
     arguments: str
     status: str
-    type: str = "function_call"
 
 
 OutputItem = Union[OutputMessage, OutputFunctionCall]
