@@ -47,7 +47,7 @@ log = logging.getLogger("baton.ray")
 REPLICA_HEADER = "x-baton-replica"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
                "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection"}
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 # /metrics and /health wait this long for every replica's answer.
 FAN_OUT_TIMEOUT_S = 20.0
 
@@ -188,20 +188,30 @@ class BatonReplica:
 # ------------------------------------------------------------------ ingress
 def routing_key(body: bytes) -> str | None:
     """The text requests are compared by: a completion's prompt(s), a chat's
-    messages in order (role and text). None when there is none."""
+    (or an Anthropic request's) messages in order (role and text), a
+    Responses request's instructions and input, each after its system text.
+    None when there is none."""
     try:
         request = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(request, dict):
         return None
-    if "messages" in request and isinstance(request["messages"], list):
-        parts = []
-        for message in request["messages"]:
+    system = request.get("system") or request.get("instructions")
+    if isinstance(system, list):
+        system = "".join(str(p.get("text") or "") for p in system if isinstance(p, dict))
+    head = f"<system>{system}" if isinstance(system, str) and system else ""
+    conversation = request.get("messages", request.get("input"))
+    if isinstance(conversation, str):
+        conversation = [{"role": "user", "content": conversation}]
+    if isinstance(conversation, list) and ("messages" in request or "input" in request):
+        parts = [head]
+        for message in conversation:
             if isinstance(message, dict):
                 content = message.get("content")
                 if isinstance(content, list):
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                    content = "".join(str(p.get("text") or "") for p in content
+                                      if isinstance(p, dict))
                 parts.append(f"<{message.get('role')}>{content if content else ''}")
         return "".join(parts) or None
     prompt = request.get("prompt")

@@ -87,3 +87,23 @@ def test_a_replica_reports_its_engines_own_load(tiny_llama_dir):
     stats = BatonReplica.record_routing_stats(replica)
     assert stats["num_running"] == 2 and stats["num_waiting"] == 0
     assert 0.0 < stats["kv_usage"] < 1.0
+
+
+def test_every_generation_api_is_routed_by_its_prompt_text():
+    import json
+
+    from service.ray_serve import ROUTED_PATHS, routing_key
+    assert {"/v1/responses", "/v1/messages"} <= set(ROUTED_PATHS)
+
+    def key(body: dict) -> str | None:
+        return routing_key(json.dumps(body).encode())
+    chat = key({"messages": [{"role": "system", "content": "S"},
+                             {"role": "user", "content": "Hi"}]})
+    assert chat == "<system>S<user>Hi"     # as before
+    # Anthropic's system, Responses' instructions and input: the same text, the same key.
+    assert key({"system": "S", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}]}]}) == chat
+    assert key({"instructions": "S", "input": "Hi"}) == chat
+    assert key({"instructions": "S", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Hi"}]}]}) == chat
+    assert key({"system": [{"type": "text", "text": None}], "messages": []}) is None
