@@ -27,7 +27,7 @@ _WITHOUT_MEANING = {
     "--pipeline-parallel-size -pp": "pipeline parallelism is not supported; shard the model "
                                     "with --tensor-parallel-size",
     "--uvicorn-log-level": "Baton does not run on uvicorn; --log-format sets its log format "
-                           "(the level follows BATON_LOG_LEVEL)",
+                           "and --disable-log-requests drops the line per request",
     "--enable-lora --lora-modules": "LoRA adapters are not supported; merge the adapter "
                                     "into the weights and serve that folder",
 }
