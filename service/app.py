@@ -289,11 +289,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def get_response(request: web.Request) -> web.Response:
-    return stored_response(request.app[STATE].responses, request.match_info["response_id"])
+    return stored_response(request, request.app[STATE].responses,
+                           request.match_info["response_id"])
 
 
 async def delete_stored_response(request: web.Request) -> web.Response:
-    return delete_response(request.app[STATE].responses, request.match_info["response_id"])
+    return delete_response(request, request.app[STATE].responses,
+                           request.match_info["response_id"])
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:

@@ -216,7 +216,8 @@ class ResponsesTurn:
             id=run.id, created_at=self.created, model=run.model, status=status,
             output=list(items), instructions=req.instructions,
             max_output_tokens=req.max_output_tokens,
-            parallel_tool_calls=req.parallel_tool_calls is not False,
+            parallel_tool_calls=self.prepared.tools.parallel if self.prepared.tools is not None
+            else req.parallel_tool_calls is not False,
             previous_response_id=req.previous_response_id, store=self.stores,
             temperature=params.temperature, top_p=params.top_p,
             tool_choice=msgspec.to_builtins(req.tool_choice) if req.tool_choice else "auto",
@@ -271,14 +272,25 @@ class _EventWriter:
 
 # ------------------------------------------------------- GET and DELETE by id
 
-def stored_response(store: ResponsesStore, response_id: str) -> web.Response:
+def _no_query(request: web.Request) -> None:
+    if request.query:   # OpenAI's stream / include / starting_after replays: not kept
+        names = ", ".join(sorted(request.query))
+        raise APIError(400, f"query parameters are not supported on this route: {names}",
+                       param=sorted(request.query)[0])
+
+
+def stored_response(request: web.Request, store: ResponsesStore,
+                    response_id: str) -> web.Response:
+    _no_query(request)
     entry = store.get(response_id)
     if entry is None:
         raise not_found(response_id)
     return web.Response(body=entry.response_json, content_type="application/json")
 
 
-def delete_response(store: ResponsesStore, response_id: str) -> web.Response:
+def delete_response(request: web.Request, store: ResponsesStore,
+                    response_id: str) -> web.Response:
+    _no_query(request)
     if not store.delete(response_id):
         raise not_found(response_id)
     return web.Response(body=_encoder.encode(DeletedResponse(response_id)),

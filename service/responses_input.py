@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from service.http_errors import APIError
 from service.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall,
                               FunctionDefinition, JsonSchemaFormat, NamedFunction,
@@ -195,7 +197,6 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
 
 def echo_text(text: TextConfig | None) -> dict[str, Any]:
     """The response's ``text`` field: the format in effect."""
-    import msgspec
     out = msgspec.to_builtins(text) if text is not None else {}
     out.setdefault("format", {"type": "text"})
     return out

@@ -224,6 +224,13 @@ def test_get_and_delete_a_stored_response(server, client):
         client.responses.retrieve(unstored.id)
 
 
+def test_query_parameters_on_a_stored_response_are_refused(server, client):
+    resp = client.responses.create(model=_model(server), input="Hi", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.retrieve(resp.id, extra_query={"stream": "true"})
+    assert info.value.body["param"] == "stream"
+
+
 def test_delete_answers_with_the_deleted_object(server, client):
     resp = client.responses.create(model=_model(server), input="Hi", max_output_tokens=1)
     req = urllib.request.Request(f"{server.base_url}/v1/responses/{resp.id}", method="DELETE")
