@@ -189,12 +189,10 @@ async def _generate(request: web.Request, type_, prepare, operation: str,
         if prepared.stream:
             return await answer.stream(run, request)
         return await answer.whole(run)
-    except APIError as exc:
-        error_type = exc.code or exc.error_type
-        raise
-    except InvalidRequestError as exc:
-        error_type = "invalid_request_error"
-        exc.param = answer.param_names.get(exc.param, exc.param)
+    except (APIError, InvalidRequestError) as exc:
+        error_type = getattr(exc, "code", None) or getattr(exc, "error_type",
+                                                            "invalid_request_error")
+        exc.param = answer.param_names.get(exc.param, exc.param)   # the API's own names
         raise
     except asyncio.CancelledError:
         error_type = "client_disconnected"

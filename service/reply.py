@@ -75,6 +75,9 @@ class ReplyBlocks:
             else:
                 self._call(piece, events)
         if final:
+            if self._held and not self.has_calls:   # a reply of whitespace alone
+                self._open_text(self._held, events)
+            self._held = ""
             self._close(events)
         return events
 
@@ -100,11 +103,14 @@ class ReplyBlocks:
             return
         if self.has_calls:
             pending = pending.lstrip()   # the layout after a call is not content
+        self._open_text(pending, events)
+
+    def _open_text(self, text: str, events: list[BlockEvent]) -> None:
         self._close(events)
         block = self._new(TEXT)
         events.append(BlockEvent("open", block))
-        block.text = pending
-        events.append(BlockEvent("delta", block, pending))
+        block.text = text
+        events.append(BlockEvent("delta", block, text))
 
     def _call(self, call, events: list[BlockEvent]) -> None:
         if call.id is not None:

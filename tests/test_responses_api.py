@@ -280,6 +280,7 @@ def test_text_format_json_schema(server, client):
      "input[0].content[0]"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": []}, "input"),
+    ({"input": "hello " * 600}, "input"),      # context_length_exceeded, named ours
     ({"no_such_field": 1}, "no_such_field"),
 ])
 def test_fields_it_cannot_honour_are_refused_by_name(server, extra, param):

@@ -102,3 +102,14 @@ def test_a_reply_without_text_gets_one_empty_block_when_asked():
     events = blocks.empty_text_block()
     assert [e.kind for e in events] == ["open", "close"] and blocks.blocks[0].text == ""
     assert blocks.empty_text_block() == []
+
+
+def test_whitespace_is_layout_around_calls_and_content_alone():
+    alone = ReplyBlocks(None)
+    alone.feed(" \n")
+    alone.feed("", final=True)
+    assert [(b.kind, b.text) for b in alone.blocks] == [(TEXT, " \n")]
+    around = ReplyBlocks(_plan(HERMES))
+    around.feed('\n<tool_call>\n{"name": "count", "arguments": {}}\n</tool_call>\n\n',
+                final=True)
+    assert [b.kind for b in around.blocks] == [CALL]
