@@ -269,9 +269,12 @@ class StepResult:
     # requests that asked; a long prompt's entries arrive chunk by chunk.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Requests whose row could not be sampled this step (e.g. non-finite
-    # logits), with why; they have no entry in ``token_ids``, and the engine
-    # fails them alone.
+    # logits, a broken output constraint), with why; they have no entry in
+    # ``token_ids``, and the engine fails them alone.
     failed: dict[str, str] = field(default_factory=dict)
+    # The error type of a failed request where it is not "internal_error"
+    # (backends.errors.GRAMMAR_ERROR for a constraint that failed).
+    error_types: dict[str, str] = field(default_factory=dict)
 
 
 class Backend(Protocol):

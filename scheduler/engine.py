@@ -270,6 +270,7 @@ class EngineCore:
         for request in failed_requests:
             request.finish_reason = FinishReason.ERROR
             outputs.append(self._final_output(request, [], "", faults[request.request_id]))
+            outputs[-1].error_type = result.error_types.get(request.request_id)
         num_faulted = len(failed_requests)
         timings = result.timings
         timings.schedule = schedule_time

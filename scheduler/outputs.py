@@ -29,6 +29,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    # With ``error``: its type for the client (None: "internal_error";
+    # "grammar_error" when the output could not be kept to its constraint).
+    error_type: str | None = None
     # monotonic seconds, for latency attributes and metrics
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
