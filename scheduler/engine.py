@@ -99,7 +99,8 @@ class EngineCore:
     @property
     def info(self) -> ModelInfo:
         return ModelInfo(self.model_name, self.max_model_len, self.vocab_size,
-                         self.kv_cache.capacity_tokens, self.generation)
+                         self.kv_cache.capacity_tokens, self.generation,
+                         self.config.max_num_seqs)
 
     # ---------------------------------------------------------------- intake
     def add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -89,6 +89,7 @@ class ModelInfo:
     vocab_size: int
     kv_capacity_tokens: int
     generation: GenerationDefaults
+    max_num_seqs: int = 0   # requests that run at once (0: not said)
 
 
 @dataclass(frozen=True, slots=True)
