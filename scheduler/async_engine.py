@@ -136,12 +136,9 @@ class AsyncEngine:
         busy engine has finished no step for ``policy.stall_timeout``."""
         if not self.is_running:
             return EngineHealth(False, "the engine loop has stopped")
-        # A backend that can never step again (a tensor-parallel rank died).
-        fatal = getattr(self._core.backend, "fatal_error", None)
+        fatal = self.fatal_error
         if fatal:
             return EngineHealth(False, fatal)
-        if self._core.tainted:
-            return EngineHealth(False, self._core.tainted)
         failed = self.consecutive_failed_steps
         if failed >= self.policy.unhealthy_after_failed_steps:
             return EngineHealth(False, f"the last {failed} engine steps failed for every "
@@ -151,6 +148,14 @@ class AsyncEngine:
             return EngineHealth(False, f"no engine step has finished for {idle_for:.0f} s "
                                        f"while requests wait")
         return EngineHealth(True, "ok")
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why this engine can never serve again (a tensor-parallel rank died
+        or hangs; a step abandoned as hung came back), else None. New
+        requests are refused with 503 from then on."""
+        # A backend that can never step again (a tensor-parallel rank died).
+        return getattr(self._core.backend, "fatal_error", None) or self._core.tainted
 
     def state_sizes(self) -> dict[str, int]:
         """Entries in every per-request table, this façade's included."""

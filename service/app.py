@@ -69,6 +69,11 @@ class ServerState:
                            headers={"Retry-After": "5"})
         if not self.engine.is_running:
             raise APIError(503, "the engine loop has stopped", headers={"Retry-After": "5"})
+        fatal = self.engine.fatal_error
+        if fatal:
+            # Another replica may take it; this one needs a restart.
+            raise APIError(503, f"the engine cannot serve: {fatal}",
+                           headers={"Retry-After": "5"})
         return self.engine
 
     async def off_loop(self, fn, *args, cancel: threading.Event | None = None):
