@@ -93,15 +93,11 @@ class PromptLimits:
                 f"However, the {param} holds {chars} characters, more than that many tokens "
                 f"can spell ({bound}). Please reduce the length of the {param}.", param)
 
-    def check_tokens(self, prompt_tokens: int, total_tokens: int, n: int = 1) -> None:
-        """After each prompt is tokenized: stop at once when it alone cannot
-        fit the context, or when the request's prompts (times ``n``) already
-        hold more tokens than the queue takes."""
-        if self.max_prompt_tokens is not None and prompt_tokens >= self.max_prompt_tokens:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {self.max_prompt_tokens} tokens. "
-                f"However, a prompt holds {prompt_tokens} tokens. Please reduce the length "
-                f"of the prompt.", "prompt")
+    def check_tokens(self, total_tokens: int, n: int = 1) -> None:
+        """After each prompt is tokenized: stop at once when the request's
+        prompts (times ``n``) already hold more tokens than the queue takes,
+        rather than tokenize the rest. (A prompt over the context is refused
+        with the engine's message, naming what was asked.)"""
         if self.max_total_tokens is not None and total_tokens * n > self.max_total_tokens:
             raise InvalidRequestError(
                 f"the request's prompts hold at least {total_tokens * n} tokens, more than "

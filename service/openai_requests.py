@@ -152,7 +152,7 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
             texts.append(tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
         prompts.append(_truncate(ids, req))
         total += len(prompts[-1])
-        limits.check_tokens(len(prompts[-1]), total, req.n)
+        limits.check_tokens(total, req.n)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     # echo with logprobs lists the prompt's tokens too, each scored given
     # the ones before it.
@@ -309,7 +309,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer,
     prompt = chat_prompt(req, tokenizer, chat, answer)
     limits.check_cancelled()
     if req.truncate_prompt_tokens is None:
-        limits.check_tokens(len(prompt.ids), len(prompt.ids), req.n)
+        limits.check_tokens(len(prompt.ids), req.n)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     if req.top_logprobs is not None and not req.logprobs:
