@@ -50,8 +50,8 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 # verbose_errors off: errors then carry no grammar text and no parser state.
 PARSER_LIMITS: dict[str, Any] = {
     "max_items_in_row": 2000,       # default; a choice list is one lexeme, not a row
-    "initial_lexer_fuel": 200_000,  # default 1,000,000
-    "step_lexer_fuel": 100_000,     # default 200,000
+    "initial_lexer_fuel": 100_000,  # default 1,000,000
+    "step_lexer_fuel": 50_000,      # default 200,000
     "step_max_items": 20_000,       # default 50,000
     "max_lexer_states": 50_000,     # default 250,000 (1-2 kB each)
     "max_grammar_size": 200_000,    # default 500,000
@@ -61,7 +61,7 @@ PARSER_LIMITS: dict[str, Any] = {
 # take this much in all, plus this much per token it has accepted; past it
 # the request fails with a grammar error. A JSON schema needs 0.01-0.5 ms a
 # token, a pattern like x{30000} ~28 ms.
-MASK_BUDGET_BASE_S = 0.25
+MASK_BUDGET_BASE_S = 0.1
 MASK_BUDGET_PER_TOKEN_S = 0.002
 _MAX_ERROR_CHARS = 200
 

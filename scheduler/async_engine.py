@@ -227,7 +227,7 @@ class AsyncEngine:
         if output is None:
             return
         queue = self._queues.get(output.request_id)
-        if queue is not None:
+        if queue is not None and not getattr(queue, "overrun", False):
             queue.put_nowait(output)
             if queue.qsize() > self.max_queued_outputs and not output.finished:
                 self._overrun(queue)
@@ -244,6 +244,7 @@ class AsyncEngine:
         error = (f"the client read its stream too slowly: more than "
                  f"{self.max_queued_outputs} outputs waited unread, so the request was ended")
         ids = [rid for rid, q in self._queues.items() if q is queue]
+        queue.overrun = True  # what the step still had for them is dropped: they have ended
         ended = 0
         for request_id in ids:
             output = self._core.abort(request_id, FinishReason.ERROR, error)
