@@ -55,6 +55,7 @@ def _regex_heavy(i: int) -> dict:
 
 
 SCENARIOS = {
+    "no constraint (the batch's cost)": lambda i: {"seed": i},
     "pattern x{1e6} (json)": lambda i: {"response_format": {
         "type": "json_schema", "json_schema": {"name": "h", "schema": _schema_pattern(i)}}},
     "pattern after a field": lambda i: {"response_format": {
