@@ -46,7 +46,8 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 # llguidance's budgets for one grammar (LLParserLimits), tighter than its
 # defaults so that one mask costs at most tens of milliseconds and one
 # grammar's lexer tens of megabytes: a pattern like ``x{1000000}`` then fails
-# in ~50 ms and ~20 MB instead of ~0.4-1.5 s and ~80 MB per mask.
+# at compile time in ~0.1 s instead of costing ~0.4-1.5 s of the step per
+# mask and ~80 MB of cache, and one met mid-output costs one ~20 ms mask.
 # verbose_errors off: errors then carry no grammar text and no parser state.
 PARSER_LIMITS: dict[str, Any] = {
     "max_items_in_row": 2000,       # default; a choice list is one lexeme, not a row

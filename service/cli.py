@@ -372,8 +372,9 @@ def _add_serve_flags(srv: argparse.ArgumentParser) -> None:
     _flag(srv, "--body-read-timeout", 60.0, "seconds for a request body to arrive; a slower "
           "one gets 408", convert=float)
     _flag(srv, "--max-connections", 1000, "open client connections; at the limit a new "
-          "one displaces the longest idle one, and is refused with 503 only when every "
-          "connection has a request in progress", convert=int)
+          "one displaces the longest idle one; when every connection has a request in "
+          "progress, a new one is answered only on /health (anything else: 503)",
+          convert=int)
     _flag(srv, "--idle-timeout", 15.0, "seconds a connection may stay open without a "
           "request in progress (before its first request's headers are complete, and "
           "between requests)", convert=float)

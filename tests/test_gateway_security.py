@@ -157,24 +157,33 @@ def test_body_that_never_arrives_gets_408_and_the_connection_closes(server):
     server.wait_idle()
 
 
-def test_connections_beyond_the_cap_are_refused(server):
-    """Every connection busy with a request (each body still arriving): one
-    more is refused, before anything is parsed."""
+def test_connections_beyond_the_cap_are_refused_but_health_is_answered(server):
+    """Every connection busy with a request (each body still arriving): a few
+    more are taken in to answer /health (anything else on them: 503); past
+    those (none here, at the end), a new connection is refused before
+    anything is parsed."""
     limit = server.state.config.max_connections
+    limiter = server.limiter
     held = [_raw(server) for _ in range(limit)]
     try:
         for sock in held:  # each holds a request in progress
             sock.sendall(_request_head(100) + b'{"prompt":')
-        server.wait_until(lambda: server.limiter.num_busy == limit, what="every one busy")
-        deadline = time.monotonic() + 1.5  # within the 2 s body timeout
-        while True:
-            with _raw(server) as extra:
-                reply = _read_all(extra)
-            if reply.startswith(b"HTTP/1.1 503") or time.monotonic() > deadline:
-                break
+        server.wait_until(lambda: limiter.num_busy == limit, what="every one busy")
+        with _raw(server) as health:
+            health.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert _read_all(health).startswith(b"HTTP/1.1 200")
+        with _raw(server) as other:
+            other.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = _read_all(other)
+            assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+            assert b"Retry-After: 1" in reply and b"too_many_connections" in reply
+        limiter.health_overflow = 0  # no place past the limit: refused before parsing
+        with _raw(server) as extra:
+            reply = _read_all(extra)
         assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
         assert b"Retry-After: 1" in reply and b"too_many_connections" in reply
     finally:
+        limiter.health_overflow = 32
         for sock in held:
             sock.close()
     # Room again once they are gone.
