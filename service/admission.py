@@ -58,6 +58,16 @@ def check_nesting(document: bytes | str, param: str | None = None,
                                   f"{limit} this server reads", param)
 
 
+def check_n(n: int, running_slots: int) -> None:
+    """At most half the engine's running slots (``--max-num-seqs``) for one
+    request's choices, so that no request holds every slot while others
+    wait (0 slots: not known, no bound)."""
+    most = max(1, running_slots // 2) if running_slots else None
+    if most is not None and n > most:
+        raise InvalidRequestError(f"n may be at most {most} on this server (half of the "
+                                  f"{running_slots} requests it runs at once), got {n}", "n")
+
+
 @dataclass(frozen=True, slots=True)
 class PromptLimits:
     """What one request's prompts may hold, checked as they are prepared

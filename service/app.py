@@ -22,7 +22,7 @@ from aiohttp import web
 
 from backends.errors import InvalidRequestError
 from scheduler.async_engine import AsyncEngine
-from service.admission import PromptLimits, check_nesting
+from service.admission import PromptLimits, check_n, check_nesting
 from service.config import ServerConfig
 from service.cors import setup_cors
 from service.generation import respond_stream, respond_whole, start_run
@@ -180,7 +180,7 @@ async def _generate(request: web.Request, type_, prepare,
         engine = state.ready_engine()
         req = _decode(await _read(request), type_)
         _check_model(state, req.model)
-        _check_n(engine, req.n)
+        check_n(req.n, engine.model.max_num_seqs)
         cancel = threading.Event()
         prepared = await state.off_loop(prepare, req, engine.tokenizer,
                                         engine.model.generation, _chat_options(state),
@@ -232,16 +232,6 @@ def _apply_default_max_tokens(cfg, engine: AsyncEngine, req, prepared) -> None:
     min_tokens = min(prepared.params.min_tokens, max_tokens)
     prepared.params = dataclasses.replace(prepared.params, max_tokens=max_tokens,
                                           min_tokens=min_tokens)
-
-
-def _check_n(engine: AsyncEngine, n: int) -> None:
-    """At most half the engine's running slots for one request's choices, so
-    that no request holds every slot while others wait."""
-    slots = engine.model.max_num_seqs
-    most = max(1, slots // 2) if slots else None
-    if most is not None and n > most:
-        raise APIError(400, f"n may be at most {most} on this server (half of the "
-                            f"{slots} requests it runs at once), got {n}", param="n")
 
 
 def _prompt_limits(state: ServerState, engine: AsyncEngine,
