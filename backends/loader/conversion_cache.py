@@ -18,7 +18,8 @@ the loader code that shaped the result (a Baton upgrade that converts
 differently converts again).
 
 Each entry's files carry SHA-256 digests (one per 16 MiB chunk, checked in
-parallel, ~0.4 s for SmolLM2's 513 MiB on two cores), checked before anything
+parallel: ~1 s for SmolLM2's 513 MiB in float32 on a busy two-core VM, where
+converting took ~15 s), checked before anything
 is read from them: flipped bytes, a truncated or swapped file are a miss
 with a log line saying so (before, flipped bytes served a silently wrong
 model), and the file is converted again. A missing, stale, half-written or
