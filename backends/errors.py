@@ -27,6 +27,19 @@ class ContextLengthExceededError(InvalidRequestError):
         super().__init__(message, param)
 
 
+class ConstraintError(InvalidRequestError):
+    """A structured-output constraint the grammar engine cannot keep: it does
+    not compile, admits no output, or exceeds the engine's limits. Known
+    before the first token, so the request is refused (400)."""
+
+    code = "grammar_error"
+
+
+# The error type of a request whose constraint failed after it started
+# (a 500, or an SSE error event, with this type; docs/serving.md).
+GRAMMAR_ERROR = "grammar_error"
+
+
 class ModelLoadError(BatonError):
     """Model files are missing, corrupt or inconsistent."""
 

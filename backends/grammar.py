@@ -12,51 +12,125 @@ docs/benchmarks.md has the figures (``benchmarks/grammar_engines.py``).
 
 Compiling happens at admission (the gateway runs it off the event loop) and
 is cached by constraint; the backend then only copies a ready matcher.
+
+A constraint is never broken silently. What fails at compile time (it does
+not compile, admits nothing, or its first token exceeds the engine's limits)
+is a ConstraintError, a 400. What fails later (a token the matcher rejects,
+a lexer or parser limit reached mid-output, a request whose grammar work
+outruns its budget) fails that request alone: ``settle_tokens`` says which
+rows, and the backend reports them in ``StepResult.failed`` with the type
+``grammar_error``. Every grammar has llguidance's limits (``PARSER_LIMITS``)
+and every request a budget of grammar time (``MASK_BUDGET_*``), so no
+grammar makes a step wait long; docs/security.md lists them.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
+import re
 import threading
-from collections import OrderedDict
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from backends.errors import InvalidRequestError
+from backends.errors import ConstraintError, InvalidRequestError
+from backends.grammar_cache import GrammarCache, heap_bytes_in_use
 from backends.interface import StructuredOutputSpec
+
+log = logging.getLogger("baton.backend")
 
 # ", " and ": " as json.dumps writes them: the layout models have seen most.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# llguidance's budgets for one grammar (LLParserLimits), tighter than its
+# defaults so that one mask costs at most tens of milliseconds and one
+# grammar's lexer tens of megabytes: a pattern like ``x{1000000}`` then fails
+# at compile time in ~0.1 s instead of costing ~0.4-1.5 s of the step per
+# mask and ~80 MB of cache, and one met mid-output costs one ~20 ms mask.
+# verbose_errors off: errors then carry no grammar text and no parser state.
+PARSER_LIMITS: dict[str, Any] = {
+    "max_items_in_row": 2000,       # default; a choice list is one lexeme, not a row
+    "initial_lexer_fuel": 100_000,  # default 1,000,000
+    "step_lexer_fuel": 50_000,      # default 200,000
+    "step_max_items": 20_000,       # default 50,000
+    "max_lexer_states": 50_000,     # default 250,000 (1-2 kB each)
+    "max_grammar_size": 200_000,    # default 500,000
+    "verbose_errors": False,
+}
+# A request's grammar work (masks and token checks, on whichever thread) may
+# take this much in all, plus this much per token it has accepted; past it
+# the request fails with a grammar error. A JSON schema needs 0.01-0.5 ms a
+# token, a pattern like x{30000} ~28 ms.
+MASK_BUDGET_BASE_S = 0.1
+MASK_BUDGET_PER_TOKEN_S = 0.002
+_MAX_ERROR_CHARS = 200
+
+
+def parser_limits():
+    import llguidance
+    return llguidance.LLParserLimits(**PARSER_LIMITS)
+
 
 class CompiledGrammar:
-    """A validated constraint; ``new_matcher()`` is cheap (a copy)."""
+    """A validated constraint; ``new_matcher()`` is cheap (a copy that
+    shares the compiled grammar's lexer). ``entry`` is its cache entry, told
+    of its matchers' work and failures."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, param: str) -> None:
         self._pristine = matcher
+        self.param = param
+        self.entry = None
         self._lock = threading.Lock()
 
     def new_matcher(self) -> "GrammarMatcher":
         with self._lock:
-            return GrammarMatcher(self._pristine.deep_copy())
+            return GrammarMatcher(self._pristine.deep_copy(), self)
+
+    def _add_work(self, seconds: float) -> None:
+        if self.entry is not None:
+            self.entry.add_work(seconds)
+
+    def _failed(self) -> None:
+        if self.entry is not None:
+            self.entry.drop()
 
 
 class GrammarMatcher:
-    """One request's position in its grammar. Owned by the backend."""
+    """One request's position in its grammar. Owned by the backend.
 
-    __slots__ = ("matcher",)
+    Every call into llguidance is timed: ``spent`` is the request's grammar
+    work so far, against a budget that grows with the tokens it accepted
+    (``failure`` says when it is spent)."""
 
-    def __init__(self, matcher: Any) -> None:
+    __slots__ = ("matcher", "spent", "tokens", "_grammar")
+
+    def __init__(self, matcher: Any, grammar: CompiledGrammar | None = None) -> None:
         self.matcher = matcher
+        self.spent = 0.0
+        self.tokens = 0
+        self._grammar = grammar
+
+    def _charge(self, start: float) -> None:
+        seconds = time.perf_counter() - start
+        self.spent += seconds
+        if self._grammar is not None:
+            self._grammar._add_work(seconds)
 
     def fill_bitmask(self, bitmask_row: Any) -> None:
         """Write the allowed-next-token bits into one contiguous int32 row."""
+        start = time.perf_counter()
         self.matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(),
                                              bitmask_row.numel() * bitmask_row.element_size())
+        self._charge(start)
 
     def accept(self, token_id: int) -> bool:
-        return self.matcher.consume_token(token_id)
+        start = time.perf_counter()
+        ok = self.matcher.consume_token(token_id)
+        self._charge(start)
+        self.tokens += ok
+        return ok
 
     def try_accept_unmasked(self, token_id: int) -> bool:
         """Advance by ``token_id`` if ``fill_bitmask`` would allow it, and
@@ -69,32 +143,98 @@ class GrammarMatcher:
         False without trying, and the caller fills the mask. Elsewhere the
         mask is exactly the set of tokens the matcher accepts
         (tests/test_structured_engine.py checks it token by token)."""
-        if self.matcher.compute_ff_bytes():
-            return False
-        return self.matcher.try_consume_tokens([token_id]) == 1
+        start = time.perf_counter()
+        try:
+            if self.matcher.compute_ff_bytes():
+                return False
+            ok = self.matcher.try_consume_tokens([token_id]) == 1
+        finally:
+            self._charge(start)
+        self.tokens += ok
+        return ok
+
+    @property
+    def budget(self) -> float:
+        return MASK_BUDGET_BASE_S + MASK_BUDGET_PER_TOKEN_S * self.tokens
 
     @property
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def failure(self) -> str | None:
+        """Why this request's constraint can no longer be kept (the matcher
+        failed, or its grammar work outran its budget), else None. A failed
+        grammar leaves the cache."""
+        param = self._grammar.param if self._grammar is not None else "response_format"
+        if self.matcher.is_error():
+            if self._grammar is not None:
+                self._grammar._failed()
+            return (f"the output could not be kept to its constraint ({param}) after "
+                    f"{self.tokens} tokens: {short_error(self.matcher.get_error())}")
+        if self.spent > self.budget:
+            if self._grammar is not None:
+                self._grammar._failed()
+            return (f"the output constraint ({param}) needed {self.spent:.2f} s of grammar "
+                    f"work for {self.tokens} tokens, more than its budget ("
+                    f"{MASK_BUDGET_BASE_S:g} s plus {MASK_BUDGET_PER_TOKEN_S * 1000:g} ms a "
+                    f"token)")
+        return None
+
+
+def settle_tokens(accepting: list[tuple[int, GrammarMatcher]],
+                  rows: list[tuple[int, GrammarMatcher]], token_ids: list[int],
+                  request_ids: list[str]) -> dict[int, str]:
+    """Advance each ``accepting`` row's matcher by its sampled token (a
+    negative id: the row failed already), then say which of ``rows`` (every
+    constrained row of the step) can no longer keep its constraint, by batch
+    row, with why. Each failure is logged in one short line that holds no
+    request content."""
+    for i, matcher in accepting:
+        if token_ids[i] >= 0:
+            matcher.accept(token_ids[i])
+    failures: dict[int, str] = {}
+    for i, matcher in rows:
+        if token_ids[i] < 0:
+            continue
+        why = matcher.failure()
+        if why is not None:
+            failures[i] = why
+            log.warning("request %s: %s", request_ids[i], _log_safe(why))
+    return failures
+
+
+def short_error(message: str) -> str:
+    """llguidance's error as one line of at most ``_MAX_ERROR_CHARS``."""
+    line = message.strip().splitlines()[0] if message.strip() else \
+        "rejected by the grammar engine"
+    return line if len(line) <= _MAX_ERROR_CHARS else line[:_MAX_ERROR_CHARS - 3] + "..."
+
+
+_QUOTED = re.compile(r"\"[^\"]*\"|'[^']*'|`[^`]*`")
+
+
+def _log_safe(text: str) -> str:
+    """A failure for the log: quoted text (tokens, labels) left out."""
+    return _QUOTED.sub("<...>", text)
 
 
 class GrammarCompiler:
     """Turns a StructuredOutputSpec into a CompiledGrammar for one tokenizer.
 
     Thread-safe. The tokenizer table (about 0.7 s for a 50k vocabulary) is
-    built on first use or by ``warm_up()``; compiled grammars are kept in an
-    LRU of ``cache_size`` entries.
+    built on first use or by ``warm_up()``. Compiled grammars are kept in a
+    GrammarCache (backends/grammar_cache.py: bounded by entries and bytes;
+    failed and heavily worked grammars leave it).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_size: int = 256) -> None:
+                 cache_size: int = 256, cache_bytes: int | None = None) -> None:
         self._hf_tokenizer = tokenizer          # tokenizers.Tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._ll_tokenizer = None
-        self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self.cache = GrammarCache(cache_size) if cache_bytes is None \
+            else GrammarCache(cache_size, cache_bytes)
         self._tokenizer_lock = threading.Lock()
 
     def warm_up(self) -> None:
@@ -115,32 +255,63 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
-        """Raises InvalidRequestError (naming ``spec.param``) for a constraint
-        that does not compile."""
-        with self._lock:
-            hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                return hit
-        compiled = self._compile(spec)
-        with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        """Raises ConstraintError (an InvalidRequestError naming
+        ``spec.param``) for a constraint that does not compile, admits no
+        output, or fails its first token within the engine's limits."""
+        entry = self.cache.get(spec)
+        if entry is not None:
+            return entry.value
+        self._tokenizer()  # built once, not charged to the first grammar
+        before = heap_bytes_in_use()
+        compiled, size = self._compile(spec)
+        after = heap_bytes_in_use()
+        if before is not None and after is not None:
+            size = max(size, after - before)
+        compiled.entry = self.cache.put(spec, compiled, size)
         return compiled
 
-    def _compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+    def _compile(self, spec: StructuredOutputSpec) -> tuple[CompiledGrammar, int]:
+        """The compiled grammar, probed, and its text's length."""
         import llguidance
         tokenizer = self._tokenizer()
         try:
             grammar = _grammar_text(spec)
         except Exception as exc:  # noqa: BLE001 - converters raise assorted types
-            raise InvalidRequestError(f"invalid {spec.kind} constraint: {exc}", spec.param) from exc
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            raise ConstraintError(f"invalid {spec.kind} constraint: {short_error(str(exc))}",
+                                  spec.param) from exc
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            raise InvalidRequestError(
-                f"invalid {spec.kind} constraint: {_first_line(matcher.get_error())}", spec.param)
-        return CompiledGrammar(matcher)
+            raise ConstraintError(
+                f"invalid {spec.kind} constraint: {short_error(matcher.get_error())}",
+                spec.param)
+        self._probe(matcher, spec)
+        return CompiledGrammar(matcher, spec.param), len(grammar)
+
+    def _probe(self, matcher: Any, spec: StructuredOutputSpec) -> None:
+        """The first token's mask, and one allowed token taken, on a copy:
+        what fails there (nothing allowed, a lexer or parser limit reached)
+        fails every request, so it is a 400 before any of them runs. Its
+        lexer states stay with the grammar: the first step needs them."""
+        import numpy as np
+        probe = matcher.deep_copy()
+        mask = probe.compute_bitmask()
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[:self.vocab_size])
+        if not probe.is_error():
+            if allowed.size == 0:
+                raise ConstraintError(f"the {spec.kind} constraint admits no output",
+                                      spec.param)
+            eos = set(self.eos_token_ids)
+            first = next((int(t) for t in allowed if int(t) not in eos), None)
+            if first is None or probe.consume_token(first):
+                return
+        error = short_error(probe.get_error())
+        if " " not in error:  # a stop reason (NoExtension...): no output can complete it
+            raise ConstraintError(f"the {spec.kind} constraint admits no complete output "
+                                  f"(the grammar engine stops: {error})", spec.param)
+        raise ConstraintError(
+            f"the {spec.kind} constraint cannot be kept within the grammar engine's limits: "
+            f"{error}", spec.param)
 
 
 def _grammar_text(spec: StructuredOutputSpec) -> str:
@@ -163,8 +334,7 @@ def _grammar_text(spec: StructuredOutputSpec) -> str:
         choices = json.loads(spec.source)
         if not choices or not all(isinstance(c, str) for c in choices):
             raise ValueError("choice must be a non-empty list of strings")
-        return LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in choices))
+        return LLMatcher.grammar_from_lark(choice_lark(choices))
     if spec.kind == "grammar":
         # Lark, or GBNF (llama.cpp's EBNF, what vLLM's xgrammar backend reads)
         return LLMatcher.grammar_from_lark(any_to_lark(spec.source))
@@ -195,6 +365,18 @@ def _exactness_problem(schema_json: str) -> str | None:
 
 def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "rejected by the grammar engine"
+
+
+def choice_lark(choices: list[str]) -> str:
+    """One lexeme that matches exactly one of ``choices``, as a JSON schema's
+    ``enum`` compiles: an alternation of literals, which the lexer follows
+    as one automaton. (A rule ``"a" | "b" | ...`` puts every label in one
+    parser row, and llguidance fails a row of over 2,000 items.) Every
+    character but ASCII letters and digits is written ``\\x{hex}``, so no
+    label can be read as regex syntax or end the literal."""
+    def literal(text: str) -> str:
+        return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+    return "start: /" + "|".join(literal(c) for c in choices) + "/"
 
 
 class BitmaskFiller:

@@ -36,6 +36,12 @@ MAX_STOP_TOKEN_IDS = 1024
 # torch.Generator.manual_seed and failed the whole step).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_TOP_K = 2**31 - 1
+# A structured-output constraint's source (a JSON schema, regex, grammar or
+# choice list as text): compiling costs about a second per 100 KB of schema,
+# on a thread other requests wait for. OpenAI caps a schema's names and
+# enum values at 120,000 characters.
+MAX_CONSTRAINT_CHARS = 128 * 1024
+MAX_CHOICES = 10_000
 # Below this a temperature is greedy (as in vLLM): dividing logits by it
 # would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
@@ -62,6 +68,12 @@ class StructuredOutputSpec:
     whitespace_pattern: str | None = None
     param: str = field(default="response_format", compare=False)
     lenient: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.source) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(
+                f"the {self.kind} constraint is {len(self.source)} characters long, more than "
+                f"the {MAX_CONSTRAINT_CHARS} this server compiles", self.param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,9 +286,12 @@ class StepResult:
     # requests that asked; a long prompt's entries arrive chunk by chunk.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Requests whose row could not be sampled this step (e.g. non-finite
-    # logits), with why; they have no entry in ``token_ids``, and the engine
-    # fails them alone.
+    # logits, a broken output constraint), with why; they have no entry in
+    # ``token_ids``, and the engine fails them alone.
     failed: dict[str, str] = field(default_factory=dict)
+    # The error type of a failed request where it is not "internal_error"
+    # (backends.errors.GRAMMAR_ERROR for a constraint that failed).
+    error_types: dict[str, str] = field(default_factory=dict)
 
 
 class Backend(Protocol):

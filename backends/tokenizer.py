@@ -16,6 +16,7 @@ class Tokenizer:
             token_id for token_id, added in self.backend.get_added_tokens_decoder().items()
             if added.special)
         self._as_text = None  # a copy that reads special-token strings as text
+        self._max_chars: int | None = None
 
     @property
     def special_tokens(self) -> dict[str, int]:
@@ -31,6 +32,20 @@ class Tokenizer:
             plain.encode_special_tokens = True
             self._as_text = plain
         return self._as_text.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """The most input characters one token can stand for: its longest
+        vocabulary entry (a byte-level entry is one character per byte, a
+        SentencePiece one its own characters), four times that where a
+        normalizer may shorten the text first (NFC composes up to three
+        characters into one). A text longer than this many times N
+        characters holds more than N tokens."""
+        if self._max_chars is None:
+            vocab = self.backend.get_vocab(with_added_tokens=True)
+            longest = max((len(token) for token in vocab), default=1)
+            self._max_chars = longest * (4 if self.backend.normalizer is not None else 1)
+        return self._max_chars
 
     @property
     def chat_template(self) -> str | None:

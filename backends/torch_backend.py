@@ -24,7 +24,8 @@ import torch
 
 from backends.attention import (AttentionMetadata, PrefillSegment, SharedPrefix,
                                 find_shared_prefixes)
-from backends.grammar import BitmaskFiller, GrammarCompiler, GrammarMatcher
+from backends.errors import GRAMMAR_ERROR
+from backends.grammar import BitmaskFiller, GrammarCompiler, GrammarMatcher, settle_tokens
 from backends.config import LoadedModel, ModelConfig
 from backends.cpu_threads import DEFAULT_THREADS, ThreadGovernor
 from backends.device import DTYPES, cuda_kv_budget, zeros_lazily
@@ -372,6 +373,7 @@ class TorchBackend:
         input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows)
         batch = self._sampling_batch(sample_rows)
         constrained, waiting = self._grammar_rows(sample_rows, batch)
+        grammar_rows = constrained + waiting
         masks = self._bitmasks.start([m for _, m in constrained], self._spare_core()) \
             if constrained else None
         t1 = time.perf_counter()
@@ -419,17 +421,21 @@ class TorchBackend:
         token_ids = out.token_ids.where(finite, -1).tolist()
         if waiting:
             constrained += repicked
-        for i, matcher in constrained:
-            if token_ids[i] >= 0 and not matcher.accept(token_ids[i]):
-                log.error("request %s: token %d rejected by its grammar: %s",
-                          sample_rows[i].request_id, token_ids[i], matcher.error)
+        grammar_failed = settle_tokens(constrained, grammar_rows, token_ids,
+                                       [r.request_id for r in sample_rows]) \
+            if grammar_rows else {}
         logprobs = self._logprobs_lists(out, token_ids, sample_rows)
         failed: dict[str, str] = {}
+        error_types: dict[str, str] = {}
         kept_rows, kept_ids, kept_logprobs = [], [], []
-        for scheduled, token_id, entry in zip(sample_rows, token_ids, logprobs):
+        for i, (scheduled, token_id, entry) in enumerate(zip(sample_rows, token_ids, logprobs)):
             if token_id < 0:
                 failed[scheduled.request_id] = (
                     "the model produced non-finite logits (NaN or infinity) for this request")
+                continue
+            if i in grammar_failed:
+                failed[scheduled.request_id] = grammar_failed[i]
+                error_types[scheduled.request_id] = GRAMMAR_ERROR
                 continue
             kept_rows.append(scheduled.request_id)
             kept_ids.append(token_id)
@@ -438,7 +444,8 @@ class TorchBackend:
             if counts is not None:
                 counts[token_id] += 1
         timings.sample = time.perf_counter() - t2
-        return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed)
+        return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed,
+                          error_types)
 
     def _grammar_rows(self, rows: list[ScheduledRequest], batch: SamplingBatch
                       ) -> tuple[list[tuple[int, GrammarMatcher]],

@@ -46,6 +46,15 @@ FaultObserver = Callable[[int, str], None]
 ADMISSION_QUIET_S = 0.005
 ADMISSION_WINDOW_S = 0.03
 
+# The most outputs one request's queue (every choice of one HTTP request
+# together) may hold unread. A consumer that keeps up holds at most a step's
+# worth; one whose client stopped reading its stream (its socket full) lets
+# them pile up, ~3 MB/s for n=32 with logprobs. Past the bound the request
+# is ended (see ``_overrun``).
+MAX_QUEUED_OUTPUTS = 1024
+# The error type of a request ended because its client read too slowly.
+SLOW_CONSUMER = "client_too_slow"
+
 
 @dataclass(frozen=True, slots=True)
 class EngineHealth:
@@ -68,6 +77,8 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._num_added = 0
+        self.max_queued_outputs = MAX_QUEUED_OUTPUTS
+        self.num_overruns = 0
         self.step_observers: list[StepObserver] = []
         self.fault_observers: list[FaultObserver] = []
         self.last_progress = time.monotonic()
@@ -125,12 +136,9 @@ class AsyncEngine:
         busy engine has finished no step for ``policy.stall_timeout``."""
         if not self.is_running:
             return EngineHealth(False, "the engine loop has stopped")
-        # A backend that can never step again (a tensor-parallel rank died).
-        fatal = getattr(self._core.backend, "fatal_error", None)
+        fatal = self.fatal_error
         if fatal:
             return EngineHealth(False, fatal)
-        if self._core.tainted:
-            return EngineHealth(False, self._core.tainted)
         failed = self.consecutive_failed_steps
         if failed >= self.policy.unhealthy_after_failed_steps:
             return EngineHealth(False, f"the last {failed} engine steps failed for every "
@@ -140,6 +148,14 @@ class AsyncEngine:
             return EngineHealth(False, f"no engine step has finished for {idle_for:.0f} s "
                                        f"while requests wait")
         return EngineHealth(True, "ok")
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why this engine can never serve again (a tensor-parallel rank died
+        or hangs; a step abandoned as hung came back), else None. New
+        requests are refused with 503 from then on."""
+        # A backend that can never step again (a tensor-parallel rank died).
+        return getattr(self._core.backend, "fatal_error", None) or self._core.tainted
 
     def state_sizes(self) -> dict[str, int]:
         """Entries in every per-request table, this façade's included."""
@@ -211,8 +227,36 @@ class AsyncEngine:
         if output is None:
             return
         queue = self._queues.get(output.request_id)
-        if queue is not None:
+        if queue is not None and not getattr(queue, "overrun", False):
             queue.put_nowait(output)
+            if queue.qsize() > self.max_queued_outputs and not output.finished:
+                self._overrun(queue)
+
+    def _overrun(self, queue: asyncio.Queue[RequestOutput]) -> None:
+        """End every unfinished request of a queue its consumer no longer
+        drains, with an error its client finds if it reads on.
+
+        Ended, not paused: a paused request would keep its KV blocks and its
+        running slot for as long as its client stays away, so clients that
+        stop reading could pin the server's whole capacity; ending it frees
+        both at once. A client that reads at all never falls this far behind
+        (the socket's buffers come on top of the bound)."""
+        error = (f"the client read its stream too slowly: more than "
+                 f"{self.max_queued_outputs} outputs waited unread, so the request was ended")
+        ids = [rid for rid, q in self._queues.items() if q is queue]
+        queue.overrun = True  # what the step still had for them is dropped: they have ended
+        ended = 0
+        for request_id in ids:
+            output = self._core.abort(request_id, FinishReason.ERROR, error)
+            if output is not None:
+                output.error_type = SLOW_CONSUMER
+                queue.put_nowait(output)
+                ended += 1
+        if ended:
+            self.num_overruns += 1
+            log.warning("requests %s: their client fell more than %d outputs behind its "
+                        "stream; ended", ", ".join(ids), self.max_queued_outputs)
+            self._work.set()
 
     # ------------------------------------------------------------ step loop
     async def _run(self) -> None:

@@ -103,7 +103,8 @@ class EngineCore:
     @property
     def info(self) -> ModelInfo:
         return ModelInfo(self.model_name, self.max_model_len, self.vocab_size,
-                         self.kv_cache.capacity_tokens, self.generation, self.max_logprobs)
+                         self.kv_cache.capacity_tokens, self.generation, self.max_logprobs,
+                         self.config.max_num_seqs)
 
     # ---------------------------------------------------------------- intake
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -280,6 +281,7 @@ class EngineCore:
         for request in failed_requests:
             request.finish_reason = FinishReason.ERROR
             outputs.append(self._final_output(request, [], "", faults[request.request_id]))
+            outputs[-1].error_type = result.error_types.get(request.request_id)
         num_faulted = len(failed_requests)
         timings = result.timings
         timings.schedule = schedule_time

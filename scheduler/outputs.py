@@ -29,6 +29,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    # With ``error``: its type for the client (None: "internal_error";
+    # "grammar_error" when the output could not be kept to its constraint).
+    error_type: str | None = None
     # monotonic seconds, for latency attributes and metrics
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
@@ -87,6 +90,7 @@ class ModelInfo:
     kv_capacity_tokens: int
     generation: GenerationDefaults
     max_logprobs: int = 20      # top alternatives a request may ask for (--max-logprobs)
+    max_num_seqs: int = 0   # requests that run at once (0: not said)
 
 
 @dataclass(frozen=True, slots=True)

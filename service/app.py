@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,13 +22,15 @@ from aiohttp import web
 
 from backends.errors import InvalidRequestError
 from scheduler.async_engine import AsyncEngine
+from service.admission import PromptLimits, check_n, check_nesting
 from service.config import ServerConfig
 from service.cors import setup_cors
 from service.generation import respond_stream, respond_whole, start_run
 from service.observability import Observability
 from service.guards import check_api_key, install_malformed_request_filter, read_json_body
 from service.http_errors import APIError, from_decode_error, from_invalid_request
-from service.openai_requests import ChatOptions, chat_prompt, prepare_chat, prepare_completion
+from service.openai_requests import (ChatOptions, chat_prompt, message_chars, prepare_chat,
+                                     prepare_completion)
 from service.messages_api import MESSAGES_PATH, MessagesTurn, anthropic_error
 from service.messages_protocol import MessagesRequest
 from service.openapi import openapi_document
@@ -73,13 +76,26 @@ class ServerState:
                            headers={"Retry-After": "5"})
         if not self.engine.is_running:
             raise APIError(503, "the engine loop has stopped", headers={"Retry-After": "5"})
+        fatal = self.engine.fatal_error
+        if fatal:
+            # Another replica may take it; this one needs a restart.
+            raise APIError(503, f"the engine cannot serve: {fatal}",
+                           headers={"Retry-After": "5"})
         return self.engine
 
-    async def off_loop(self, fn, *args):
-        """``fn(*args)`` on the preprocessing threads."""
+    async def off_loop(self, fn, *args, cancel: threading.Event | None = None):
+        """``fn(*args)`` on the preprocessing threads: one at a time for the
+        calling request (it awaits each). When the caller is cancelled (its
+        client went away) ``cancel`` is set, for ``fn`` to stop at its next
+        check; a job not yet started is dropped."""
         async with self.preprocess_slots:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.preprocess_pool, fn, *args)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    self.preprocess_pool, fn, *args)
+            except asyncio.CancelledError:
+                if cancel is not None:
+                    cancel.set()
+                raise
 
 
     def _reject(self, reason: str) -> None:
@@ -97,10 +113,13 @@ def _json(payload, status: int = 200) -> web.Response:
 
 
 def _decode(body: bytes, type_):
+    check_nesting(body)
     try:
         return msgspec.json.decode(body, type=type_)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_decode_error(exc) from exc
+    except RecursionError:  # check_nesting bounds it; this is the backstop
+        raise APIError(400, "the request body nests too deeply to decode") from None
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -125,6 +144,12 @@ async def error_middleware(request: web.Request, handler):
         return response
     except InvalidRequestError as exc:
         return render(from_invalid_request(exc))
+    except RecursionError:
+        # Anything that walks a request's JSON (schemas, tool parameters,
+        # templates) recursing past Python's limit: the body's fault.
+        log.warning("%s %s: the request nests too deeply to process", request.method,
+                    request.path)
+        return render(APIError(400, "the request nests too deeply to process"))
     except web.HTTPRequestEntityTooLarge as exc:
         return render(APIError(413, f"request body too large: {exc.text}"))
     except web.HTTPNotFound:
@@ -174,8 +199,11 @@ async def _generate(request: web.Request, type_, prepare, operation: str,
         engine = state.ready_engine()
         req = _decode(await _read(request), type_)
         _check_model(state, req.model)
+        check_n(req.n, engine.model.max_num_seqs)
+        cancel = threading.Event()
         prepared = await state.off_loop(prepare, req, engine.tokenizer,
-                                        engine.model.generation, _chat_options(state))
+                                        engine.model.generation, _chat_options(state),
+                                        _prompt_limits(state, engine, cancel), cancel=cancel)
         _apply_default_max_tokens(state.config, engine, req, prepared)
         await _compile_constraint(state, engine, prepared)
         if telemetry is not None:
@@ -223,6 +251,13 @@ def _apply_default_max_tokens(cfg, engine: AsyncEngine, req, prepared) -> None:
     min_tokens = min(prepared.params.min_tokens, max_tokens)
     prepared.params = dataclasses.replace(prepared.params, max_tokens=max_tokens,
                                           min_tokens=min_tokens)
+
+
+def _prompt_limits(state: ServerState, engine: AsyncEngine,
+                   cancel: threading.Event) -> PromptLimits:
+    cfg = state.config
+    return PromptLimits(cfg.max_waiting_requests, engine.model.max_model_len,
+                        cfg.max_waiting_tokens, engine.tokenizer.max_chars_per_token, cancel)
 
 
 def _chat_options(state: ServerState) -> ChatOptions:
@@ -329,10 +364,16 @@ async def tokenize(request: web.Request) -> web.Response:
     req = _decode(await _read(request), TokenizeRequest)
     _check_model(state, req.model)
     tok = engine.tokenizer
+    cancel = threading.Event()
+    limits = _prompt_limits(state, engine, cancel)
     if req.messages is not None:
-        ids = (await state.off_loop(chat_prompt, req, tok, _chat_options(state))).ids
+        limits.check_text(message_chars(req.messages), "messages")
+        ids = (await state.off_loop(chat_prompt, req, tok, _chat_options(state),
+                                    cancel=cancel)).ids
     elif req.prompt is not None:
-        ids = await state.off_loop(tok.encode, req.prompt, req.add_special_tokens is not False)
+        limits.check_text(len(req.prompt))
+        ids = await state.off_loop(tok.encode, req.prompt, req.add_special_tokens is not False,
+                                   cancel=cancel)
     else:
         raise APIError(400, "give either prompt or messages", param="prompt")
     strs = [tok.id_to_token(i) or "" for i in ids] if req.return_token_strs else None

@@ -188,9 +188,12 @@ def _defang(value: Any, specials: list[str]) -> tuple[Any, bool]:
     """``value`` with every control-token string in it broken, looking into
     lists and dicts (tool calls, tool definitions, documents)."""
     if isinstance(value, str):
-        if _BREAK in value:
-            return value, True  # the marker itself must not survive either
-        changed = False
+        # The marker is removed from the text first: kept, it would be taken
+        # out only after the control tokens around it were found (and a
+        # "\ufdd0<|im_end|>" would open a real turn); and it must not make a
+        # control token of what it split either.
+        changed = _BREAK in value
+        value = value.replace(_BREAK, "")
         for special in specials:
             if special in value:
                 value = value.replace(special, special[0] + _BREAK + special[1:])

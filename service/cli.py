@@ -311,6 +311,7 @@ def server_config_from(ns: argparse.Namespace):
         unhealthy_after_failed_steps=ns.unhealthy_after_failed_steps,
         step_timeout=ns.step_timeout,
         body_read_timeout=ns.body_read_timeout, max_connections=ns.max_connections,
+        idle_timeout=ns.idle_timeout,
         metrics_public=ns.metrics_public,
         trust_message_control_tokens=ns.trust_message_control_tokens,
         otlp_traces_endpoint=ns.otlp_traces_endpoint, trace_detail=ns.trace_detail,
@@ -375,8 +376,13 @@ def _add_serve_flags(srv: argparse.ArgumentParser) -> None:
     _flag(srv, "--max-body-size", "8MiB", "larger request bodies get 413", convert=_bytes)
     _flag(srv, "--body-read-timeout", 60.0, "seconds for a request body to arrive; a slower "
           "one gets 408", convert=float)
-    _flag(srv, "--max-connections", 1000, "open client connections; one more is refused "
-          "with 503", convert=int)
+    _flag(srv, "--max-connections", 1000, "open client connections; at the limit a new "
+          "one displaces the longest idle one; when every connection has a request in "
+          "progress, a new one is answered only on /health (anything else: 503)",
+          convert=int)
+    _flag(srv, "--idle-timeout", 15.0, "seconds a connection may stay open without a "
+          "request in progress (before its first request's headers are complete, and "
+          "between requests)", convert=float)
     _flag(srv, "--metrics-public", False, "serve /metrics without the API key (for "
           "scrapers)", action="store_true")
     _flag(srv, "--trust-message-control-tokens", False, "let control-token text in chat "

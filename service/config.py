@@ -99,6 +99,9 @@ class ServerConfig:
     step_timeout: float | None = None       # seconds before a backend step counts as hung
     body_read_timeout: float = 60.0         # seconds for a request body to arrive (else 408)
     max_connections: int = 1000             # open client connections; one more gets 503
+    # Seconds a connection may stay open with no request in progress: before
+    # its first request's headers are complete, and between requests.
+    idle_timeout: float = 15.0
     metrics_public: bool = False            # serve /metrics without the API key
     # Message content may carry control tokens (<|im_end|> ...) as control
     # tokens, not as text: only for trusted clients (docs/security.md).

@@ -50,6 +50,7 @@ class Choice:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_type: str | None = None
 
 
 class GenerationRun:
@@ -196,9 +197,11 @@ async def respond_whole(run: GenerationRun) -> web.Response:
         if out.finished:
             c.finish_reason = out.finish_reason
             c.error = out.error
+            c.error_type = out.error_type
     failed = next((c for c in choices if c.finish_reason == FinishReason.ERROR.value), None)
     if failed is not None:
-        raise APIError(500, failed.error or "engine fault", error_type="internal_error")
+        raise APIError(500, failed.error or "engine fault",
+                       error_type=failed.error_type or "internal_error", code=failed.error_type)
     if any(c.finish_reason == FinishReason.ABORT.value for c in choices):
         # Only the server aborts a request whose client is still here: shutdown.
         raise APIError(503, "the server shut down before the request finished")
@@ -294,7 +297,8 @@ async def respond_stream(run: GenerationRun, request: web.Request) -> web.Stream
             running_usage = make_usage([prompt_tokens[i] for i in firsts],
                                        [cached_tokens[i] for i in firsts], completion_tokens)
         if out.finish_reason in (FinishReason.ERROR.value, FinishReason.ABORT.value):
-            error = ErrorBody(out.error or "engine fault", "internal_error", None, None) \
+            error = ErrorBody(out.error or "engine fault", out.error_type or "internal_error",
+                              None, out.error_type) \
                 if out.finish_reason == FinishReason.ERROR.value else \
                 ErrorBody("the server shut down before the request finished",
                           "service_unavailable", None, None)

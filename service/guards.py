@@ -83,9 +83,27 @@ def _payload_reason(exc: BaseException) -> str:
 
 # ---------------------------------------------------------------- connections
 
+def runner_options(config: ServerConfig) -> dict:
+    """aiohttp's connection settings for an AppRunner: a connection with no
+    request in progress (none yet, or between two) is closed after
+    ``idle_timeout`` seconds; aiohttp's keep-alive timer runs from the moment
+    a connection opens, so it is also the time a client has to send its
+    first request's headers."""
+    return {"handler_cancellation": True, "access_log": None,
+            "keepalive_timeout": config.idle_timeout}
+
+
 class ConnectionLimiter:
-    """At most ``limit`` open client connections; one more is answered 503
-    with Retry-After and closed at once, before anything is parsed."""
+    """At most ``limit`` open client connections. At the limit a new
+    connection displaces the one that has been idle longest (no request in
+    progress: silent since it opened, or between requests), which is closed.
+    When every connection has a request in progress, up to
+    ``health_overflow`` more are taken in all the same, to answer /health:
+    any other request on them gets 503 with Retry-After (and the connection
+    closes); past those, a new connection is answered the same 503 and closed
+    before anything is parsed. So idle sockets, however many, never lock out
+    a request, /health is answered even when the server is full of work, and
+    a full server still sheds load."""
 
     _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
                 b"Content-Type: application/json\r\nConnection: close\r\n"
@@ -93,31 +111,80 @@ class ConnectionLimiter:
     _BODY = (b'{"error": {"message": "too many open connections; retry shortly", '
              b'"type": "service_unavailable", "param": null, "code": "too_many_connections"}}')
 
-    def __init__(self, server: web.Server, limit: int) -> None:
+    def __init__(self, server: web.Server, limit: int, health_overflow: int = 32) -> None:
         self.limit = limit
+        self.health_overflow = health_overflow
         self.num_refused = 0
-        self._open: set = set()
+        self.num_displaced = 0
+        # Open connections (handler -> transport), in the order they last
+        # became idle: the first idle one has been idle longest.
+        self._open: dict = {}
+        self._busy: dict = {}   # connection -> requests in progress on it
+        self._overflow: set = set()  # past the limit, for /health only
         self._made = server.connection_made
         self._lost = server.connection_lost
+        self._handle = server.request_handler
         server.connection_made = self._connection_made  # type: ignore[method-assign]
         server.connection_lost = self._connection_lost  # type: ignore[method-assign]
+        server.request_handler = self._request  # type: ignore[method-assign]
 
     @property
     def num_open(self) -> int:
         return len(self._open)
 
+    @property
+    def num_busy(self) -> int:
+        """Connections with a request in progress."""
+        return len(self._busy)
+
     def _connection_made(self, handler, transport) -> None:
         if len(self._open) >= self.limit:
-            self.num_refused += 1
-            transport.write(self._REFUSAL % (len(self._BODY), self._BODY))
-            transport.close()
-            return
-        self._open.add(handler)
+            self._displace_idle()
+        if len(self._open) >= self.limit:
+            if len(self._overflow) >= self.health_overflow:
+                self.num_refused += 1
+                transport.write(self._REFUSAL % (len(self._BODY), self._BODY))
+                transport.close()
+                return
+            self._overflow.add(handler)
+        self._open[handler] = transport
         self._made(handler, transport)
 
+    def _displace_idle(self) -> bool:
+        """Close the connection idle longest; False when none is idle."""
+        for handler, transport in self._open.items():  # insertion order: idle longest first
+            if not self._busy.get(handler):
+                del self._open[handler]
+                self.num_displaced += 1
+                transport.close()
+                return True
+        return False
+
     def _connection_lost(self, handler, exc=None) -> None:
-        self._open.discard(handler)
+        self._open.pop(handler, None)
+        self._busy.pop(handler, None)
+        self._overflow.discard(handler)
         self._lost(handler, exc)
+
+    async def _request(self, request: web.BaseRequest):
+        handler = request.protocol
+        if handler in self._overflow and request.path != "/health":
+            self.num_refused += 1
+            response = web.Response(status=503, body=self._BODY, content_type="application/json",
+                                    headers={"Retry-After": "1"})
+            response.force_close()
+            return response
+        self._busy[handler] = self._busy.get(handler, 0) + 1
+        try:
+            return await self._handle(request)
+        finally:
+            left = self._busy.get(handler, 1) - 1
+            if left:
+                self._busy[handler] = left
+            else:
+                self._busy.pop(handler, None)
+                if handler in self._open:  # idle from now: the back of the line
+                    self._open[handler] = self._open.pop(handler)
 
 
 def limit_connections(runner: web.AppRunner, limit: int | None) -> ConnectionLimiter | None:

@@ -42,7 +42,8 @@ class APIError(Exception):
 
 
 def from_invalid_request(exc: InvalidRequestError) -> APIError:
-    code = "context_length_exceeded" if isinstance(exc, ContextLengthExceededError) else None
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthExceededError) \
+        else getattr(exc, "code", None)
     return APIError(400, exc.message, param=exc.param, code=code)
 
 

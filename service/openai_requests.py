@@ -10,6 +10,7 @@ from backends.config import GenerationDefaults
 from backends.errors import InvalidRequestError
 from backends.interface import SamplingParams, StructuredOutputSpec
 from backends.tokenizer import Tokenizer
+from service.admission import PromptLimits
 from service.chat_template import template_variables, tokenize_chat
 from service.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from service.request_policy import check_chat_fields, check_common_fields
@@ -109,9 +110,13 @@ def _stream_flags(req) -> tuple[bool, bool]:
 
 def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
                        defaults: GenerationDefaults,
-                       chat: ChatOptions | None = None) -> PreparedRequest:
+                       chat: ChatOptions | None = None,
+                       limits: PromptLimits | None = None) -> PreparedRequest:
+    """``limits`` are checked before each prompt is tokenized and after
+    (counts, characters, tokens so far), so a request over them stops early."""
     # A completion prompt is the client's own text, control tokens included;
     # ChatOptions.trust_control_tokens concerns chat messages only.
+    limits = limits or PromptLimits()
     check_common_fields(req)
     if req.suffix is not None:
         raise InvalidRequestError("suffix (fill-in-the-middle) is not supported", "suffix")
@@ -130,21 +135,26 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer,
         raise InvalidRequestError(
             "prompt must be a string, a list of strings, a list of token ids or a list "
             "of token-id lists, not a mixture", "prompt")
+    limits.check_count(len(prompt))
     prompts: list[list[int]] = []
     texts: list[str] = []
+    total = 0
     for item in prompt:
+        if not item:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
         if isinstance(item, str):
-            if not item:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            prompts.append(_truncate(tokenizer.encode(item, add_special_tokens=add_special),
-                                     req))
+            if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
+                limits.check_text(len(item))
+            limits.check_cancelled()
+            ids = tokenizer.encode(item, add_special_tokens=add_special)
             texts.append(item)
         else:
-            if not item:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            prompts.append(_truncate(list(item), req))
-            texts.append(tokenizer.decode(list(item), skip_special_tokens=False)
-                         if req.echo else "")
+            limits.check_cancelled()
+            ids = list(item)
+            texts.append(tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
+        prompts.append(_truncate(ids, req))
+        total += len(prompts[-1])
+        limits.check_tokens(total, req.n)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     if max_tokens == 0 and not req.echo:
         raise InvalidRequestError("max_tokens 0 scores the prompt without generating: it "
@@ -197,6 +207,21 @@ def message_dict(message: ChatMessage, tool_format: str) -> dict[str, Any]:
         else:
             out["content"] = f"{out['content']}\n{text}" if out["content"] else text
     return out
+
+
+def message_chars(messages: list[ChatMessage]) -> int:
+    """The characters of text in ``messages`` (contents, text parts,
+    reasoning, tool-call arguments): what their rendering holds at least."""
+    total = 0
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            total += len(content)
+        elif content:
+            total += sum(len(part.text or part.refusal or "") for part in content)
+        total += len(message.reasoning_content or message.reasoning or "")
+        total += sum(len(call.function.arguments) for call in message.tool_calls or ())
+    return total
 
 
 def _template_keywords(req, template: str) -> dict[str, Any]:
@@ -289,11 +314,19 @@ def chat_prompt(req, tokenizer: Tokenizer, chat: ChatOptions | None = None,
 
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer,
                  defaults: GenerationDefaults,
-                 chat: ChatOptions | None = None) -> PreparedRequest:
+                 chat: ChatOptions | None = None,
+                 limits: PromptLimits | None = None) -> PreparedRequest:
+    limits = limits or PromptLimits()
     check_common_fields(req)
     check_chat_fields(req)
     answer = request_spec(req.response_format, req.structured_outputs)
+    if req.truncate_prompt_tokens is None:
+        limits.check_text(message_chars(req.messages), "messages")
+    limits.check_cancelled()
     prompt = chat_prompt(req, tokenizer, chat, answer)
+    limits.check_cancelled()
+    if req.truncate_prompt_tokens is None:
+        limits.check_tokens(len(prompt.ids), req.n)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     if max_tokens is not None and max_tokens < 1:

@@ -128,7 +128,8 @@ class BatonReplica:
         engine.start()
         state.engine = engine
         state.phase = "ready"
-        runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+        from service.guards import runner_options
+        runner = web.AppRunner(create_app(state), **runner_options(self.config))
         await runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from backends.errors import InvalidRequestError
 
+# A client's own request id is echoed in the response's id and logged.
+MAX_REQUEST_ID_CHARS = 128
+
 
 def _refuse(param: str, why: str) -> None:
     raise InvalidRequestError(f"{param} {why}", param)
@@ -28,6 +31,13 @@ def check_common_fields(req) -> None:
     if req.prompt_logprobs is not None:
         _refuse("prompt_logprobs", "is not supported; completions give prompt logprobs "
                                    "with echo and logprobs")
+    request_id = req.request_id
+    if request_id is not None:
+        if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            _refuse("request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters long, got "
+                                  f"{len(request_id)}")
+        if not request_id.isprintable():
+            _refuse("request_id", "must not hold control characters (it is logged)")
     opts = req.stream_options
     if opts is not None:
         if not req.stream:

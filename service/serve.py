@@ -16,7 +16,7 @@ from scheduler.async_engine import AsyncEngine
 from service.app import ServerState, create_app
 from service.config import EngineArgs, ServerConfig
 from service.engine_factory import create_engine, model_name_for
-from service.guards import limit_connections
+from service.guards import limit_connections, runner_options
 from service.observability import Observability
 from service.warmup import warm_up
 from telemetry.logs import log_lifecycle
@@ -40,7 +40,7 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     obs = build_observability(engine_args, config)
     state = ServerState(config, obs=obs, model_name=obs.model_name)
     app = create_app(state)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, **runner_options(config))
     await runner.setup()
     _raise_open_files_limit(config.max_connections)
     limit_connections(runner, config.max_connections)

@@ -14,7 +14,8 @@ from typing import Any
 
 from backends.errors import InvalidRequestError
 from backends.grammar import exactness_problem
-from backends.interface import StructuredOutputSpec
+from backends.interface import MAX_CHOICES, StructuredOutputSpec
+from service.admission import check_nesting
 from service.protocol import ResponseFormat, StructuredOutputs
 
 ANY_JSON_OBJECT = {"type": "object"}
@@ -72,6 +73,7 @@ def structured_outputs_spec(so: StructuredOutputs | None) -> StructuredOutputSpe
     if kind in ("json", "json_object"):
         schema = ANY_JSON_OBJECT if kind == "json_object" else so.json
         if isinstance(schema, str):
+            check_nesting(schema, "structured_outputs")
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
@@ -82,6 +84,10 @@ def structured_outputs_spec(so: StructuredOutputs | None) -> StructuredOutputSpe
         return StructuredOutputSpec("json", _dumps(schema), any_ws, so.whitespace_pattern,
                                     param="structured_outputs")
     if kind == "choice":
+        if len(so.choice) > MAX_CHOICES:
+            raise InvalidRequestError(f"structured_outputs.choice may hold at most "
+                                      f"{MAX_CHOICES} strings, got {len(so.choice)}",
+                                      "structured_outputs")
         return StructuredOutputSpec("choice", json.dumps(so.choice), param="structured_outputs")
     source = so.regex if kind == "regex" else so.grammar
     return StructuredOutputSpec(kind, source, param="structured_outputs")

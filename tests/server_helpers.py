@@ -28,7 +28,7 @@ from telemetry.tracing import Tracing
 from service.app import ServerState, create_app
 from service.config import EngineArgs, ServerConfig
 from service.engine_factory import create_engine
-from service.guards import limit_connections
+from service.guards import limit_connections, runner_options
 
 START_TIMEOUT = 30.0
 
@@ -38,6 +38,7 @@ class Server:
     base_url: str
     state: ServerState
     loop: asyncio.AbstractEventLoop
+    limiter: Any = None  # service.guards.ConnectionLimiter, when the config caps connections
 
     @property
     def engine(self) -> AsyncEngine:
@@ -118,7 +119,7 @@ def running_server(engine: EngineCore | EngineArgs, config: ServerConfig | None 
         engine_.start()
         state.engine = engine_
         state.phase = "ready"
-        runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(create_app(state), **runner_options(config))
         await runner.setup()
         started["limiter"] = limit_connections(runner, config.max_connections)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -146,7 +147,7 @@ def running_server(engine: EngineCore | EngineArgs, config: ServerConfig | None 
     if "error" in started:
         loop.close()
         raise started["error"]
-    server = Server(f"http://127.0.0.1:{started['port']}", state, loop)
+    server = Server(f"http://127.0.0.1:{started['port']}", state, loop, started["limiter"])
 
     async def stop() -> None:
         state.phase = "stopped"

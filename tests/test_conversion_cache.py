@@ -32,6 +32,10 @@ def tiny_file(tmp_path) -> pathlib.Path:
     return path
 
 
+def _entries(cache: pathlib.Path) -> list[pathlib.Path]:
+    return [p for p in cache.iterdir() if p.name != "sources"]
+
+
 def _forbid_converting(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the GGUF was converted again instead of read from the cache")
@@ -60,7 +64,7 @@ def test_second_load_reads_the_same_model_back(tiny_file, tmp_path, monkeypatch,
     cache = tmp_path / "cache"
     reference = load_model(tiny_file, dtype=dtype)
     first = load_model(tiny_file, dtype=dtype, conversion_cache=cache)
-    entries = [p for p in cache.iterdir()]
+    entries = _entries(cache)
     assert len(entries) == 1 and not [p for p in entries if ".tmp-" in p.name]
     _forbid_converting(monkeypatch)
     second = load_model(tiny_file, dtype=dtype, conversion_cache=cache)
@@ -91,14 +95,14 @@ def test_a_changed_file_is_converted_again(tiny_file, tmp_path):
     again = load_model(tiny_file, conversion_cache=cache)
     assert np.array_equal(again.weights["model.embed_tokens.weight"].numpy(),
                           arrays["token_embd.weight"])
-    assert len(list(cache.iterdir())) == 1  # the entry was replaced, not joined by another
+    assert len(_entries(cache)) == 1  # the entry was replaced, not joined by another
 
 
 def test_other_dtype_is_another_entry(tiny_file, tmp_path):
     cache = tmp_path / "cache"
     load_model(tiny_file, dtype=torch.float32, conversion_cache=cache)
     load_model(tiny_file, dtype=torch.bfloat16, conversion_cache=cache)
-    assert sorted(p.name.rsplit("-", 1)[1] for p in cache.iterdir()) == ["bfloat16", "float32"]
+    assert sorted(p.name.rsplit("-", 1)[1] for p in _entries(cache)) == ["bfloat16", "float32"]
 
 
 @pytest.mark.parametrize("damage", ["truncate weights", "garbage manifest", "other weights id",
@@ -134,7 +138,7 @@ def test_too_large_a_conversion_is_not_cached(tiny_file, tmp_path, monkeypatch):
     monkeypatch.setattr(conversion_cache, "MAX_ENTRY_BYTES", 1000)
     cache = tmp_path / "cache"
     load_model(tiny_file, conversion_cache=cache)
-    assert not cache.exists() or not list(cache.iterdir())
+    assert not cache.exists() or not _entries(cache)
 
 
 def test_the_flag_reaches_the_engine_args(tmp_path, monkeypatch):
@@ -149,3 +153,55 @@ def test_the_flag_reaches_the_engine_args(tmp_path, monkeypatch):
     assert there.conversion_cache == str(tmp_path / "x")
     monkeypatch.setenv("BATON_CONVERSION_CACHE", "off")
     assert engine_args_from(build_parser().parse_args(["serve"])).conversion_cache is None
+
+
+# ---------------------------------------- entries check themselves; keyed by content
+
+@pytest.mark.parametrize("damage", ["flipped weight byte", "flipped tokenizer byte",
+                                    "truncated weights", "empty weights"])
+def test_an_entry_that_fails_its_digest_is_converted_again(tiny_file, tmp_path, damage,
+                                                            caplog):
+    """Before: flipped bytes in the weights were read as they were (the
+    embedded model served every answer as "", /health 200)."""
+    cache = tmp_path / "cache"
+    reference = load_model(tiny_file, conversion_cache=cache)
+    entry = conversion_cache.entry_dir(cache, tiny_file, torch.float32)
+    name = "tokenizer.json" if "tokenizer" in damage else "weights.safetensors"
+    data = (entry / name).read_bytes()
+    if damage.startswith("flipped"):
+        at = len(data) - 7  # in the last tensor's data, or the tokenizer's text
+        (entry / name).write_bytes(data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])
+    else:
+        (entry / name).write_bytes(data[:len(data) // 2] if "truncated" in damage else b"")
+    with caplog.at_level("WARNING", logger="baton.loader"):
+        assert conversion_cache.load_cached(cache, tiny_file, torch.float32) is None
+    assert "fails its digest check" in caplog.text and name in caplog.text
+    _assert_same_model(load_model(tiny_file, conversion_cache=cache), reference)
+    assert conversion_cache.load_cached(cache, tiny_file, torch.float32) is not None
+
+
+def test_a_second_copy_of_the_file_finds_the_first_ones_entry(tiny_file, tmp_path,
+                                                             monkeypatch):
+    """Before: the key held the GGUF's path, so every clone (every
+    environment with its own copy of the embedded model) converted again."""
+    cache = tmp_path / "cache"
+    load_model(tiny_file, conversion_cache=cache)
+    elsewhere = tmp_path / "another-clone" / tiny_file.name
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(tiny_file.read_bytes())
+    reference = load_model(elsewhere)
+    _forbid_converting(monkeypatch)
+    _assert_same_model(load_model(elsewhere, conversion_cache=cache), reference)
+    assert len(_entries(cache)) == 1
+
+
+def test_an_unchanged_file_is_hashed_once(tiny_file, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    load_model(tiny_file, conversion_cache=cache)
+    hashed = []
+    real = conversion_cache.chunk_digests
+    monkeypatch.setattr(conversion_cache, "chunk_digests",
+                        lambda path: hashed.append(path.name) or real(path))
+    assert conversion_cache.load_cached(cache, tiny_file, torch.float32) is not None
+    assert tiny_file.name not in hashed  # its digest is remembered for its path and stamp
+    assert sorted(hashed) == ["tokenizer.json", "weights.safetensors"]  # the entry's are checked

@@ -9,6 +9,7 @@ lacks is skipped with its reason."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -474,7 +475,7 @@ def test_kernels_built_ahead_load_without_a_compiler(tmp_path):
     """`python -m backends.kernels` (what the image build runs) builds the one
     library of every kind into the cache (here: the suite's own, usually
     built already); a process with no compilers then loads it from a cache
-    that holds only that file, as the runtime image does."""
+    that holds only that file and its digest, as the runtime image does."""
     built = subprocess.run([sys.executable, "-m", "backends.kernels"], cwd=ROOT,
                            capture_output=True, text=True, timeout=900)
     assert built.returncode == 0, built.stderr
@@ -483,6 +484,7 @@ def test_kernels_built_ahead_load_without_a_compiler(tmp_path):
     library = Path(path)
     assert library.stat().st_mode & 0o044 == 0o044  # readable by another user
     shutil.copy(library, tmp_path / library.name)
+    shutil.copy(native._digest_path(library), tmp_path)
     env = dict(os.environ, BATON_KERNEL_CACHE=str(tmp_path), CC="/nonexistent/cc",
                CXX="/nonexistent/c++")
     code = ("import backends.kernels as k; ok, why = k.available('portable'); "
@@ -891,3 +893,57 @@ def test_include_paths_match_cpp_extension_without_importing_it():
                           timeout=300, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+# ------------------------------------------- the cached library checks itself
+
+@pytest.fixture
+def fake_builds(tmp_path, monkeypatch):
+    """``build()`` with the compilers replaced by writers of a fake library
+    (one per build, so a rebuild is seen), in an empty kernel cache."""
+    monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_compilers", lambda: ("cc", "c++"))
+    builds = []
+
+    def run(cmd):
+        out = Path(cmd[cmd.index("-o") + 1])
+        if "-shared" in cmd:
+            builds.append(out)
+            out.write_bytes(b"\x7fELF fake library %d" % len(builds) + bytes(4096))
+        else:
+            out.write_bytes(b"object")
+    monkeypatch.setattr(native, "_run", run)
+    return builds
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte", "empty", "no digest"])
+def test_a_damaged_library_is_built_again_and_the_log_says_why(fake_builds, damage, caplog):
+    """Before: a truncated library crashed every start with SIGBUS, flipped
+    bytes with SIGSEGV, and an empty one silently meant the torch ops."""
+    library = native.build()
+    assert len(fake_builds) == 1 and native.build() == library and len(fake_builds) == 1
+    good = library.read_bytes()
+    if damage == "truncated":
+        library.write_bytes(good[:100])
+    elif damage == "flipped byte":
+        library.write_bytes(good[:50] + bytes([good[50] ^ 1]) + good[51:])
+    elif damage == "empty":
+        library.write_bytes(b"")
+    else:
+        native._digest_path(library).unlink()
+    with caplog.at_level(logging.WARNING, logger="baton.kernels"):
+        assert native.build() == library
+    assert len(fake_builds) == 2, "the damaged library was not built again"
+    assert native._damage(library) is None
+    why = " ".join(r.getMessage() for r in caplog.records)
+    assert "not used" in why and ("SHA-256" in why or "no digest" in why), why
+
+
+def test_the_library_is_keyed_by_content_not_by_where_torch_lies(monkeypatch):
+    """Before: the key held torch's folder (in the include and link flags),
+    so every clone with its own environment built the library again."""
+    here = native.library_path()
+    moved = "/somewhere/else/site-packages/torch/__init__.py"
+    monkeypatch.setattr(torch, "__file__", moved)
+    assert any("/somewhere/else" in flag for flag in native._torch_flags()[0])
+    assert native.library_path() == here

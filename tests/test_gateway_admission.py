@@ -5,6 +5,8 @@ prompts are tokenized off the event loop; --default-max-tokens."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 
 import aiohttp
@@ -175,3 +177,142 @@ def test_default_max_tokens_applies_when_the_request_sends_none(tiny_llama_dir):
                                         "ignore_eos": True})
         assert long["usage"]["completion_tokens"] == 2
         srv.wait_idle()
+
+
+# ------------------------------------ hardening II: cheap checks come first
+
+class _CountedEncode:
+    """Counts (and can slow) the tokenizer's encode calls on the server."""
+
+    def __init__(self, tokenizer, delay: float = 0.0) -> None:
+        self.tokenizer, self.delay, self.calls = tokenizer, delay, 0
+        self.real = type(tokenizer).encode
+
+    def __enter__(self):
+        import time
+
+        def encode(tok, *args, **kwargs):
+            self.calls += 1
+            time.sleep(self.delay)
+            return self.real(tok, *args, **kwargs)
+        self.tokenizer.encode = encode.__get__(self.tokenizer)
+        return self
+
+    def __exit__(self, *exc):
+        del self.tokenizer.encode
+
+
+async def test_too_many_prompts_are_refused_before_any_is_tokenized(server, http):
+    """Before: a list of 1,000,000 strings was tokenized in full (~45 s on
+    the threads every request shares) before the count answered 400."""
+    with _CountedEncode(server.engine.tokenizer) as counted:
+        message = await _bad(http, {"prompt": ["Hi there"] * 100_000, "max_tokens": 1},
+                             "prompt")
+    assert "100000 prompts" in message and counted.calls == 0
+
+
+async def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server, http):
+    """Before: a 6.7 MB prompt was tokenized (seconds, ~1 GB resident) and
+    only then found too long. Its characters alone prove it too many tokens."""
+    longest = MAX_MODEL_LEN * server.engine.tokenizer.max_chars_per_token
+    with _CountedEncode(server.engine.tokenizer) as counted:
+        status, body = await _post(http, {"prompt": "word " * (longest // 5 + 1),
+                                          "max_tokens": 1})
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        message = await _bad(http, {"messages": [{"role": "user", "content": "x" * longest},
+                                                 {"role": "user", "content": "y"}]},
+                             "messages", "/v1/chat/completions")
+        assert "characters" in message
+    assert counted.calls == 0
+    # One that might fit is tokenized and judged by its tokens.
+    assert (await _post(http, {"prompt": "Hi " * 10, "max_tokens": 1}))[0] == 200
+
+
+DEEP = "__deep__"
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+@pytest.mark.parametrize("where", ["metadata", "json_schema", "tool_parameters",
+                                   "structured_outputs_string", "shallow_but_over_the_limit"])
+async def test_deep_nesting_is_a_400_not_a_500(http, where):
+    """Before: ~3,000 levels anywhere in a body raised RecursionError: 500
+    "internal error" and a traceback per request."""
+    body: dict = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    if where == "metadata":
+        body["metadata"] = {"a": DEEP}
+    elif where == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "default": DEEP}}}
+    elif where == "tool_parameters":
+        body["tools"] = [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "default": DEEP}}}]
+    elif where == "structured_outputs_string":
+        body["structured_outputs"] = {"json": '{"type": "object", "default": %s}' % _nested(3000)}
+    else:
+        body["metadata"] = {"a": DEEP}
+    depth = 100 if where.startswith("shallow") else 3000
+    text = json.dumps(body).replace(f'"{DEEP}"', _nested(depth))
+    async with http.post("/v1/chat/completions", data=text,
+                         headers={"Content-Type": "application/json"}) as resp:
+        status, payload = resp.status, await resp.json()
+    assert status == 400, payload
+    assert "nests" in payload["error"]["message"]
+
+
+async def test_a_request_id_is_bounded(http):
+    await _bad(http, {"prompt": "Hi", "max_tokens": 1, "request_id": "x" * 129}, "request_id")
+    await _bad(http, {"prompt": "Hi", "max_tokens": 1, "request_id": "a\nforged log line"},
+               "request_id")
+    status, body = await _post(http, {"prompt": "Hi", "max_tokens": 1, "request_id": "x" * 128})
+    assert status == 200 and body["id"] == "cmpl-" + "x" * 128
+
+
+async def test_too_many_choice_labels_are_refused_before_compiling(http):
+    message = await _bad(http, {"prompt": "Hi", "max_tokens": 1, "structured_outputs": {
+        "choice": [f"c{i}" for i in range(10_001)]}}, "structured_outputs")
+    assert "10000" in message
+
+
+def test_n_cannot_take_every_running_slot(tiny_llama_dir):
+    """Before: one request with n at least --max-num-seqs held every slot
+    (an innocent request waited ~58 s behind it)."""
+    import urllib.error
+    import urllib.request
+
+    with running_server(make_engine(tiny_llama_dir, max_model_len=MAX_MODEL_LEN,
+                                    max_num_seqs=4)) as srv:
+        def post(n: int) -> tuple[int, dict]:
+            req = urllib.request.Request(
+                f"{srv.base_url}/v1/completions", headers={"Content-Type": "application/json"},
+                data=json.dumps({"prompt": "Hi", "max_tokens": 1, "n": n}).encode())
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return resp.status, json.load(resp)
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.load(exc)
+
+        status, body = post(3)
+        assert status == 400 and body["error"]["param"] == "n", body
+        assert "at most 2" in body["error"]["message"]
+        assert post(2)[0] == 200
+        srv.wait_idle()
+
+
+async def test_a_disconnect_stops_the_tokenizing(server, http):
+    """Before: a client that went away left its prompts being tokenized to
+    the end on the threads every request shares."""
+    with _CountedEncode(server.engine.tokenizer, delay=0.2) as counted:
+        task = asyncio.create_task(http.post("/v1/completions", json={
+            "prompt": ["Hello there"] * MAX_WAITING, "max_tokens": 1}))
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if counted.calls:
+                break
+        task.cancel()  # the client goes away while its first prompt is tokenized
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2 * MAX_WAITING + 0.5)
+        assert 1 <= counted.calls <= 2, counted.calls

@@ -302,3 +302,50 @@ async def test_sigterm_while_loading_exits_at_once(tiny_llama_dir, tmp_path):
         await _wait_for_status(proc, health, 503, 90)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
+
+
+# -------------------------------------------------------------- backpressure
+
+def test_a_stream_whose_client_stops_reading_is_ended(tiny_llama_dir):
+    """Before: a client that stopped reading let its outputs pile up in an
+    unbounded queue (~3 MB/s for n=32 with logprobs) until the request's time
+    limit. Now, past the bound, its requests end (blocks freed) with an error
+    the client finds if it reads on."""
+    import socket
+
+    core = make_engine(tiny_llama_dir)
+    with running_server(core) as srv:
+        srv.engine.max_queued_outputs = 16
+        host, port = srv.base_url.removeprefix("http://").split(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        # Small buffers at the server's end too (loopback's grow to megabytes),
+        # so that the queue, not the kernel, is what fills.
+        srv.wait_until(lambda: srv.limiter.num_open == 1, what="the connection")
+        (transport,) = srv.limiter._open.values()
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                       4096)
+        srv.call(lambda: transport.set_write_buffer_limits(high=16384))
+        body = json.dumps({**LONG, "n": 8, "logprobs": 20, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            srv.wait_until(lambda: srv.engine.num_running == 8, what="the stream to start")
+            # Not reading: the stream ends once its outputs back up past the bound,
+            # and its blocks and slots are free while its client still reads nothing.
+            srv.wait_until(srv.is_idle, timeout=60, what="the unread stream to be ended")
+            assert srv.engine.num_overruns == 1
+            assert srv.call(lambda: srv.engine.state_sizes())["scheduler"] == 0
+            sock.settimeout(30)
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        finally:
+            sock.close()
+        srv.wait_idle()
+    text = raw.decode(errors="replace").replace(" ", "")
+    assert '"type":"client_too_slow"' in text, text[-500:]
+    assert '"finish_reason":"length"' not in text
+    assert "data:[DONE]" in text[-100:]

@@ -27,7 +27,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    config = ServerConfig(api_key=KEY, body_read_timeout=2.0, max_connections=6)
+    config = ServerConfig(api_key=KEY, body_read_timeout=2.0, max_connections=6,
+                          idle_timeout=1.0)
     with running_server(make_engine(tiny_llama_dir, max_model_len=128), config) as srv:
         yield srv
 
@@ -156,21 +157,33 @@ def test_body_that_never_arrives_gets_408_and_the_connection_closes(server):
     server.wait_idle()
 
 
-def test_connections_beyond_the_cap_are_refused(server):
+def test_connections_beyond_the_cap_are_refused_but_health_is_answered(server):
+    """Every connection busy with a request (each body still arriving): a few
+    more are taken in to answer /health (anything else on them: 503); past
+    those (none here, at the end), a new connection is refused before
+    anything is parsed."""
     limit = server.state.config.max_connections
+    limiter = server.limiter
     held = [_raw(server) for _ in range(limit)]
     try:
-        for sock in held:  # each holds an open, unfinished request
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        deadline = time.monotonic() + 10
-        while True:
-            with _raw(server) as extra:
-                reply = _read_all(extra)
-            if reply.startswith(b"HTTP/1.1 503") or time.monotonic() > deadline:
-                break
+        for sock in held:  # each holds a request in progress
+            sock.sendall(_request_head(100) + b'{"prompt":')
+        server.wait_until(lambda: limiter.num_busy == limit, what="every one busy")
+        with _raw(server) as health:
+            health.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert _read_all(health).startswith(b"HTTP/1.1 200")
+        with _raw(server) as other:
+            other.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = _read_all(other)
+            assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+            assert b"Retry-After: 1" in reply and b"too_many_connections" in reply
+        limiter.health_overflow = 0  # no place past the limit: refused before parsing
+        with _raw(server) as extra:
+            reply = _read_all(extra)
         assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
         assert b"Retry-After: 1" in reply and b"too_many_connections" in reply
     finally:
+        limiter.health_overflow = 32
         for sock in held:
             sock.close()
     # Room again once they are gone.
@@ -182,6 +195,36 @@ def test_connections_beyond_the_cap_are_refused(server):
         if reply.startswith(b"HTTP/1.1 200") or time.monotonic() > deadline:
             break
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_silent_connections_do_not_lock_out_health(server):
+    """Before: as many silent sockets as --max-connections made every
+    request, /health included, answer 503 for as long as they were held."""
+    limit = server.state.config.max_connections
+    held = [_raw(server) for _ in range(limit)]
+    held[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+    try:
+        for _ in range(3):  # each new connection displaces the longest idle one
+            with _raw(server) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                reply = _read_all(sock)
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_silent_connection_is_closed_after_the_idle_timeout(server):
+    """Before: held open for ever (aiohttp's default allows an hour)."""
+    for first in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"):  # nothing; unfinished headers
+        with _raw(server) as sock:
+            sock.sendall(first)
+            t0 = time.monotonic()
+            assert _read_all(sock) == b""  # returns once the server closes
+            assert time.monotonic() - t0 < 20  # the 1 s idle timeout, not the client's
+    with _raw(server) as sock:  # and between requests on a kept-alive connection
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_all(sock).startswith(b"HTTP/1.1 200")
 
 
 # ---------------------------------- defect 9: what clients and proxies rely on
@@ -242,6 +285,15 @@ async def test_control_tokens_in_messages_are_text(server, http):
     assert await _chat_ids(http, "Hello there") == tokenizer.encode(
         "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n",
         add_special_tokens=False)
+
+
+async def test_a_noncharacter_in_a_message_does_not_reopen_injection(server, http):
+    """Before: a message holding U+FDD0 (the marker that breaks control-token
+    strings) was left as it was, and its <|im_end|><|im_start|>system opened
+    a real turn (3 <|im_start|> instead of 2)."""
+    for text in (f"\ufdd0{INJECTION}", f"{INJECTION}\ufdd0", "<|im_\ufdd0end|>x"):
+        ids = await _chat_ids(http, text)
+        assert ids.count(IM_START_ID) == 2 and ids.count(IM_END_ID) == 1, text
 
 
 def test_trusted_clients_may_send_control_tokens(tiny_llama_dir):

@@ -339,3 +339,60 @@ def test_compiled_constraints_are_cached_by_constraint(smol):
     assert smol.grammar.compile(StructuredOutputSpec("json", json.dumps(SCHEMAS["array"]),
                                                      param="structured_outputs")) is first
     assert smol.grammar.compile(_spec(SCHEMAS["nested_enum"])) is not first
+
+
+# ------------------------------------- a constraint is never broken silently
+
+def test_a_choice_of_three_thousand_labels_answers_one_of_them(smol):
+    """Before: every label in one parser row; llguidance failed the row of
+    over 2,000 items at the first token, the dead matcher allowed only EOS,
+    and the request ended with "stop" and the text "label"."""
+    labels = [f"label number {i}" for i in range(3000)]
+    spec = StructuredOutputSpec("choice", json.dumps(labels), param="structured_outputs")
+    res = run_all(smol, {"r": _chat_ids(smol, "Pick a label.")},
+                  SamplingParams(temperature=0, max_tokens=16, structured=spec))["r"]
+    assert res.finish_reason == "stop" and res.text in labels, res.text
+
+
+MID_OUTPUT_FAILURE = {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    "a": {"type": "string", "pattern": "^x{1000000}$"}},
+    "required": ["n", "a"], "additionalProperties": False}
+
+
+def test_a_grammar_that_fails_mid_output_fails_its_request_alone(smol, caplog):
+    """The pattern's lexeme is past the lexer's limits only once the output
+    reaches it: the request ends with a grammar error (not "stop" and a
+    broken JSON), its grammar leaves the cache, the request beside it
+    finishes as if alone, and the log line is short."""
+    spec = _spec(MID_OUTPUT_FAILURE)
+    free = SamplingParams(temperature=0, max_tokens=12)
+    prompt = _chat_ids(smol, "Write a record.")
+    with caplog.at_level("WARNING", logger="baton.backend"):
+        out = run_all(smol, {"bad": prompt, "free": prompt},
+                      {"bad": SamplingParams(temperature=0, max_tokens=40, structured=spec),
+                       "free": free})
+    assert out["bad"].finish_reason == "error", out["bad"]
+    assert smol.grammar.cache.get(spec) is None
+    alone = run_all(smol, {"free": prompt}, {"free": free})
+    assert out["free"].token_ids == alone["free"].token_ids
+    lines = [r.getMessage() for r in caplog.records if "bad" in r.getMessage()]
+    assert lines and all(len(line) < 400 and "x{1000000}" not in line for line in lines)
+
+
+def test_grammar_errors_carry_their_type_to_the_output(smol, monkeypatch):
+    import backends.grammar as grammar_module
+    monkeypatch.setattr(grammar_module, "MASK_BUDGET_BASE_S", -1.0)  # every row over budget
+    smol.add_request("g", _chat_ids(smol, "Hi"),
+                     SamplingParams(temperature=0, max_tokens=8,
+                                    structured=_spec(SCHEMAS["array"])))
+    smol.add_request("f", _chat_ids(smol, "Hi"), SamplingParams(temperature=0, max_tokens=3))
+    finals = {}
+    while smol.has_unfinished():
+        for output in smol.step().outputs:
+            if output.finished:
+                finals[output.request_id] = output
+    assert finals["g"].finish_reason == "error" and finals["g"].error_type == "grammar_error"
+    assert "budget" in finals["g"].error and not finals["g"].new_token_ids
+    assert finals["f"].finish_reason == "length" and finals["f"].error_type is None
+    run_all(smol)  # every block back, every table empty

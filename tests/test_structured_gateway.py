@@ -6,6 +6,7 @@ named (streamed and whole), and a multi-turn tool loop."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from typing import Literal
 
@@ -236,3 +237,52 @@ def test_invalid_schema_is_a_400_naming_response_format(server, client):
         client.chat.completions.create(model=_model(server), messages=_ask("hi"), max_tokens=4,
                                        response_format={"type": "bogus"})
     assert info.value.param == "response_format"
+
+
+# ------------------------------------- a constraint is never broken silently
+
+MID_OUTPUT_FAILURE = {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    "a": {"type": "string", "pattern": "^x{1000000}$"}},
+    "required": ["n", "a"], "additionalProperties": False}
+
+
+def _raw(server, body: dict, path: str = "/v1/chat/completions") -> tuple[int, bytes]:
+    req = urllib.request.Request(f"{server.base_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_that_fails_mid_output_is_a_grammar_error(server, stream):
+    """Before: 200, finish_reason "stop" and the text '{"n": 1,'."""
+    status, body = _raw(server, {
+        "model": _model(server), "messages": _ask("Write a record."), "temperature": 0,
+        "max_tokens": 40, "stream": stream,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "r", "schema": MID_OUTPUT_FAILURE}}})
+    if not stream:
+        assert status == 500, body
+        error = json.loads(body)["error"]
+    else:
+        assert status == 200
+        events = [json.loads(line[6:]) for line in body.decode().splitlines()
+                  if line.startswith("data: {")]
+        assert not any(c.get("choices") and c["choices"][0].get("finish_reason") == "stop"
+                       for c in events)
+        error = events[-1]["error"]
+        assert body.decode().rstrip().endswith("data: [DONE]")
+    assert error["type"] == "grammar_error" and "response_format" in error["message"]
+
+
+def test_a_constraint_that_cannot_start_is_a_400(server):
+    status, body = _raw(server, {
+        "model": _model(server), "prompt": "x", "max_tokens": 4,
+        "structured_outputs": {"regex": "a{1000000}"}}, "/v1/completions")
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "structured_outputs", body
+    assert error["code"] == "grammar_error" and "limits" in error["message"]

@@ -1,7 +1,7 @@
-"""A tensor-parallel rank that dies fails the engine cleanly, over HTTP:
-/health answers 503 naming the rank within seconds, the stream in flight
-ends with an error event, later requests fail at once with the envelope;
-nothing hangs."""
+"""A tensor-parallel rank that dies or hangs fails the engine cleanly, over
+HTTP: /health answers 503 naming the rank within seconds, the stream in
+flight ends with an error event, later requests are refused at once with 503
+and Retry-After; nothing hangs."""
 
 from __future__ import annotations
 
@@ -59,17 +59,46 @@ def test_a_killed_rank_fails_the_engine_cleanly(tiny_llama_dir):
             status, reason = _health(server.base_url)
             assert status == 503 and "rank 1" in reason, (status, reason)
 
-            # Later requests fail at once, in the error envelope, naming the cause.
-            request = urllib.request.Request(
-                server.base_url + "/v1/completions", method="POST",
-                headers={"Content-Type": "application/json"},
-                data=json.dumps({"model": core.model_name, "prompt": [9, 10],
-                                 "max_tokens": 2}).encode())
-            with pytest.raises(urllib.error.HTTPError) as refused:
-                urllib.request.urlopen(request, timeout=10)
-            body = json.loads(refused.value.read())
-            assert refused.value.code >= 500 and "rank 1" in body["error"]["message"]
+            _assert_refused_with_503(server.base_url, core.model_name)
     finally:
+        core.backend.shutdown()
+        torch.set_num_threads(threads)
+
+
+def _assert_refused_with_503(base_url: str, model: str) -> None:
+    """Later requests are refused at once (before: a 500 from the failed
+    step), in the error envelope, naming the cause, for another replica."""
+    request = urllib.request.Request(
+        base_url + "/v1/completions", method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": model, "prompt": [9, 10], "max_tokens": 2}).encode())
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    body = json.loads(refused.value.read())
+    assert refused.value.code == 503, body
+    assert refused.value.headers["Retry-After"] and "rank 1" in body["error"]["message"]
+
+
+def test_a_rank_that_stops_answering_turns_health_503_within_seconds(tiny_llama_dir):
+    """Before: while a rank hung (here: stopped), /health stayed 200 for the
+    whole collective timeout (--distributed-timeout, 60 s by default)."""
+    threads = torch.get_num_threads()
+    core = make_engine(tiny_llama_dir, parallel=ParallelConfig(
+        tensor_parallel_size=2, pin_cpus=False, heartbeat_timeout=1.0))
+    (pid,) = core.backend.parallel.worker_pids
+    try:
+        with running_server(core) as server:
+            time.sleep(2.0)  # heartbeats flow while the engine idles
+            assert _health(server.base_url)[0] == 200
+            os.kill(pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 15
+            while _health(server.base_url)[0] == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status, reason = _health(server.base_url)
+            assert status == 503 and "rank 1" in reason and "answered" in reason, reason
+            _assert_refused_with_503(server.base_url, core.model_name)
+    finally:
+        os.kill(pid, signal.SIGKILL)
         core.backend.shutdown()
         torch.set_num_threads(threads)
 

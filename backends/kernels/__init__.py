@@ -13,8 +13,12 @@ compiling ops.cpp against torch's headers), or ahead of time with
 ``baton build-kernels`` or ``python -m backends.kernels`` (the Docker image's
 build stage does that; its runtime stage has no compiler). It is kept in
 ``$BATON_KERNEL_CACHE`` (default ``~/.cache/baton/kernels``) under a hash of
-the sources, flags and torch version, so later processes load it at once; a
-library found there needs no compiler. Building it needs a C and a C++
+the sources, flags and torch version (not where torch or the checkout lie: a
+second clone finds the first one's library), so later processes load it at
+once; a library found there needs no compiler. Beside it lies its SHA-256,
+checked before it is loaded: a truncated, altered or empty library (which
+crashed every start with SIGBUS or SIGSEGV, or silently meant the torch ops)
+is built again, and the log says why. Building it needs a C and a C++
 compiler (``$CC``/``cc``, ``$CXX``/``c++``); without them ``load`` returns
 None and says why, and the execution plan chooses the torch ops. OpenMP resolves to the libgomp torch has already
 loaded, so kernels share torch's thread pool.
@@ -130,15 +134,43 @@ def _run(cmd: list[str]) -> None:
 def library_path() -> Path:
     """Where the library for these sources, flags and torch lives (built or
     not). The compilers are not part of the key: a library built elsewhere
-    (the Docker image's build stage) loads where none is installed."""
+    (the Docker image's build stage) loads where none is installed. Nor is
+    where torch is installed: the flags name its folder, the key does not."""
     compile_flags, link_flags = _torch_flags()
+    torch_dir = os.path.dirname(torch.__file__)
     digest = hashlib.sha256()
     for path in [*_C_SOURCES, *_HEADERS, _CPP_SOURCE]:
         digest.update(path.read_bytes())
     for part in (" ".join(_C_FLAGS), repr(KIND_FLAGS), " ".join(compile_flags),
                  " ".join(link_flags), torch.__version__, platform.machine()):
-        digest.update(part.encode())
+        digest.update(part.replace(torch_dir, "<torch>").encode())
     return cache_dir() / f"baton-kernels-{digest.hexdigest()[:16]}.so"
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _damage(library: Path) -> str | None:
+    """Why the cached library must not be loaded (its SHA-256 is missing or
+    differs from the one written when it was built), or None."""
+    try:
+        expected = _digest_path(library).read_text().strip()
+    except OSError:
+        return "it has no digest beside it"
+    actual = _file_digest(library)
+    if actual != expected:
+        return (f"its SHA-256 is {actual[:16]}..., not the {expected[:16]}... it was built "
+                f"with ({library.stat().st_size} bytes: truncated or altered)")
+    return None
 
 
 def build() -> Path:
@@ -146,7 +178,11 @@ def build() -> Path:
     RuntimeError when a compiler is missing or fails."""
     target = library_path()
     if target.exists():
-        return target
+        damage = _damage(target)
+        if damage is None:
+            return target
+        log.warning("the cached native CPU kernel library %s is not used: %s; building it "
+                    "again", target, damage)
     cc, cxx = _compilers()
     compile_flags, link_flags = _torch_flags()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -167,6 +203,9 @@ def build() -> Path:
         # a half-written library.
         _run([cxx, "-shared", "-fopenmp", *objects, "-o", f"{tmp}/lib.so", *link_flags, "-lm"])
         os.chmod(f"{tmp}/lib.so", 0o755)  # readable by every user of a shared cache (an image's)
+        Path(f"{tmp}/lib.sha256").write_text(_file_digest(Path(f"{tmp}/lib.so")) + "\n")
+        os.chmod(f"{tmp}/lib.sha256", 0o644)
+        os.replace(f"{tmp}/lib.sha256", _digest_path(target))
         os.replace(f"{tmp}/lib.so", target)
     log.warning("built the native CPU kernels in %.0f s", time.perf_counter() - start)
     return target

@@ -22,6 +22,10 @@ class ParallelConfig:
     """``master_port`` None: a free port on one node, 29500 across nodes.
     ``timeout``: seconds a collective may wait for another rank before the
     engine is failed (a hung rank; a dead one is noticed at once).
+    ``heartbeat_timeout``: seconds a rank may go without a heartbeat (each
+    rank beats five times that often) before the engine is failed, whether a
+    step waits on it or not: a stopped or wedged rank shows in /health within
+    seconds, not after ``timeout``.
     ``pin_cpus``: give each rank of a node its own cores (``threads`` each)."""
 
     tensor_parallel_size: int = 1
@@ -31,6 +35,7 @@ class ParallelConfig:
     master_port: int | None = None
     timeout: float = 60.0
     pin_cpus: bool = True
+    heartbeat_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         tp, n = self.tensor_parallel_size, self.nnodes
@@ -48,6 +53,9 @@ class ParallelConfig:
         if self.timeout <= 0:
             raise ParallelConfigError(f"the collective timeout must be positive, got "
                                       f"{self.timeout}")
+        if self.heartbeat_timeout <= 0:
+            raise ParallelConfigError(f"the heartbeat timeout must be positive, got "
+                                      f"{self.heartbeat_timeout}")
 
     @property
     def enabled(self) -> bool:

@@ -14,7 +14,12 @@ out (a peer hangs) makes the group *failed* for good: ``fatal_error`` says
 why, and every later collective raises ``TensorParallelError`` at once
 instead of blocking. On rank 0 a watch thread also fails the group the
 moment a local worker process exits, so ``/health`` can say so within
-seconds even while the server is idle.
+seconds even while the server is idle. A rank that is alive but stops
+answering (stopped, wedged with the GIL held) is caught by heartbeats: every
+rank but 0 counts up a key in the rendezvous store from a thread of its own,
+and rank 0 fails the group when one has not moved for
+``ParallelConfig.heartbeat_timeout`` seconds, long before a collective
+waiting on that rank would time out.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class TensorParallelGroup:
         self._closing = False
         self._workers: list = []
         self._watch: threading.Thread | None = None
+        self._store_at: tuple[str, int] | None = None  # the rendezvous store's address
 
     # ---------------------------------------------------------------- set-up
     @classmethod
@@ -98,8 +104,14 @@ class TensorParallelGroup:
         compute = dist.new_group(backend="nccl" if dev.type == "cuda" else "gloo",
                                  timeout=timedelta(seconds=config.timeout))
         group = cls(config, rank, dev, dist.group.WORLD, compute)
+        group._store_at = (config.master_addr, port)
         if workers:
             group._watch_workers(workers)
+        if size > 1:
+            if rank == 0:
+                group._watch_heartbeats()
+            else:
+                group._beat()
         log.info("tensor-parallel rank %d of %d joined (%s)", rank, size,
                  "nccl" if dev.type == "cuda" else "gloo")
         return group
@@ -158,6 +170,59 @@ class TensorParallelGroup:
 
         self._watch = threading.Thread(target=watch, name="baton-tp-watch", daemon=True)
         self._watch.start()
+
+    def _store_client(self):
+        addr, port = self._store_at
+        return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=30))
+
+    def _beat(self) -> None:
+        """Ranks > 0: count up this rank's heartbeat key until the group
+        closes or the store (rank 0) is gone."""
+        interval = self.config.heartbeat_timeout / 5
+
+        def beat() -> None:
+            try:
+                store = self._store_client()
+                while not self._closing:
+                    store.add(f"baton/heartbeat/{self.rank}", 1)
+                    time.sleep(interval)
+            except Exception:  # noqa: BLE001 - rank 0 has gone; its death is seen elsewhere
+                log.debug("tensor-parallel rank %d stops its heartbeat", self.rank,
+                          exc_info=True)
+
+        threading.Thread(target=beat, name="baton-tp-heartbeat", daemon=True).start()
+
+    def _watch_heartbeats(self) -> None:
+        """Rank 0: fail the group when a rank's heartbeat has not moved for
+        ``heartbeat_timeout`` seconds."""
+        timeout = self.config.heartbeat_timeout
+        interval = timeout / 5
+
+        def watch() -> None:
+            try:
+                store = self._store_client()
+            except Exception:  # noqa: BLE001
+                log.exception("tensor-parallel heartbeat watch could not reach the store")
+                return
+            now = time.monotonic()
+            last = {rank: (-1, now) for rank in range(1, self.size)}
+            while not self._closing and self.fatal_error is None:
+                now = time.monotonic()
+                for rank, (count, since) in last.items():
+                    try:
+                        beats = store.add(f"baton/heartbeat/{rank}", 0)
+                    except Exception:  # noqa: BLE001 - the store lives in this process
+                        return
+                    if beats != count:
+                        last[rank] = (beats, now)
+                    elif now - since > timeout:
+                        self.fail(f"tensor-parallel rank {rank} has not answered for "
+                                  f"{now - since:.0f} s (no heartbeat; it hangs or was "
+                                  f"stopped)")
+                        return
+                time.sleep(interval)
+
+        threading.Thread(target=watch, name="baton-tp-heartbeats", daemon=True).start()
 
     # ------------------------------------------------------------ the steps
     def broadcast_step(self, rows, spans: list[tuple[int, int]]) -> None:
