@@ -93,6 +93,47 @@ class AttentionMetadata:
     sliding: AttentionMetadata | None = None
 
 
+@dataclass(slots=True)
+class TokenRowsMetadata:
+    """A step whose every token attends as a decode does (decode rows, the
+    few tokens of a speculative verification row, a short chunk): token i
+    attends to positions ``0 .. seq_lens[i] - 1`` of its request's blocks
+    ``block_tables[i]``, its own K/V (stored this step, before attention)
+    included, so the causal order inside a multi-token row comes from the
+    lengths. Tensors only: what a compiled step traces (backends/compiled_step.py).
+    ``block_tables`` is as wide as the step's longest row needs."""
+
+    slot_mapping: torch.Tensor   # [T] cache slot of every new token
+    block_tables: torch.Tensor   # [T, W] int64
+    seq_lens: torch.Tensor       # [T] int64
+    block_size: int
+
+
+def token_rows_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: TokenRowsMetadata, scale: float,
+                         decode_kernel: Callable[..., torch.Tensor] | None = None
+                         ) -> torch.Tensor:
+    """q [T, heads, head_dim] -> [T, heads * head_dim] for token rows: the
+    decode kernel (reading the pool in place) when given, else the blocks
+    gathered and SDPA with a mask from the lengths."""
+    t, heads, head_dim = q.shape
+    bs = meta.block_size
+    if decode_kernel is not None:
+        out = decode_kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.block_tables.shape[1] * bs, bs, scale)
+        return out.reshape(t, heads * head_dim)
+    kv_heads = k_cache.shape[1]
+    k_blocks = k_cache.view(-1, bs, kv_heads, head_dim)
+    v_blocks = v_cache.view(-1, bs, kv_heads, head_dim)
+    k = _gather(k_blocks, meta.block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
+    v = _gather(v_blocks, meta.block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
+    positions = torch.arange(meta.block_tables.shape[1] * bs, device=q.device)
+    mask = (positions.unsqueeze(0) < meta.seq_lens.unsqueeze(1)).view(t, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.reshape(t, heads * head_dim)
+
+
 # Cascade only where it pays: a group of at least this many decodes sharing
 # at least this many tokens (one SDPA call and a merge per group and layer
 # cost ~0.05-0.1 ms on a 2-core CPU).
@@ -226,6 +267,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v_cache, meta, scale)``, None where it does not take them) when one is
     given, else to SDPA one chunk at a time. With ``softcap`` (no kernels
     then) both go to ``softcapped_attention`` instead."""
+    if isinstance(meta, TokenRowsMetadata):
+        if softcap is not None:
+            raise ValueError("token-row steps do not soft-cap scores")
+        return token_rows_attention(q, k_cache, v_cache, meta, scale, decode_kernel)
     sdpa = F.scaled_dot_product_attention
     if softcap is not None:
         if decode_kernel is not None:

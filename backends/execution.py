@@ -47,31 +47,20 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZED_LINEARS = ("int8", "int4", "gguf")
 # GGML types the gguf mode keeps as int4 groups (backends/quantization/ggml.py)
 INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
-# Rows the AMX tile linear (backends/kernels/amx_bf16.c) takes above the
-# gemv's few with ExecutionOptions(amx_prefill=False): a decode batch.
-# Measured against oneDNN's bf16 linear on a model's worth of streamed
-# weights (docs/benchmarks.md): ahead at 8-32 rows, even at 64. By default
-# (linear bf16-amx+onednn) it takes every call of up to AMX_PREFILL_ROWS
-# rows, prefill chunks included: level with oneDNN or ahead up to 512 rows
-# (prefill steps of 512 tokens ~12% faster; session 8), and, with the
-# row-major order above 256 rows, 13-31% ahead at 640-1024 (steps of 5-8
-# prompts of 128, or a larger token budget's mixed steps), level at 1536,
-# ~1.1x behind at 2048 (a burst's prefill-only step; docs/benchmarks.md,
-# session 11), so oneDNN keeps the calls above 1024 rows, and its packed
-# copy of the weights stays.
-AMX_LINEAR_ROWS = 32
+# Rows the AMX tile linear (backends/kernels/amx_bf16.c) takes per call
+# (linear bf16-amx+onednn): every call of up to AMX_PREFILL_ROWS rows,
+# decode batches and prefill chunks alike. Measured against oneDNN's bf16
+# linear on a model's worth of streamed weights (docs/benchmarks.md): ahead
+# at 8-32 rows, even at 64, level or ahead up to 512 rows, 13-31% ahead at
+# 640-1024 with its row-major order, level at 1536 and ~1.1x behind at 2048
+# (a burst's prefill-only step), so oneDNN keeps the calls above 1024 rows,
+# and its packed copy of the weights stays.
 AMX_PREFILL_ROWS = 1024
 # Rows of the whole-step decode (one native call a step, no Python between
 # the ops: ~4-6 ms of a c=32 step, docs/benchmarks.md, session 10) where its
 # linears run on AMX tiles; the gemv's 4 elsewhere. decode_bf16.c's
 # BATON_WHOLE_STEP_AMX_ROWS.
 WHOLE_STEP_AMX_ROWS = 32
-# Rows a plain greedy step may have for its pick to go through the int8
-# screen of the output projection (greedy_screen.c takes up to 4: the
-# gemv's rows, where the projection is ~21% of what a step
-# reads; at 32 rows its float32 products, ~0.9 G a step for SmolLM2, would
-# take longer than reading the whole bf16 projection).
-GREEDY_SCREEN_ROWS = 4
 
 
 class ExecutionError(ModelLoadError):
@@ -152,12 +141,10 @@ class ExecutionOptions:
     cpu_kind: str = "auto"
     tensor_parallel_size: int = 1
     amx: bool = True  # False: oneDNN takes every batch the gemv does not (tests, benchmarks)
-    # False: the AMX tile linear takes decode batches only (up to
-    # AMX_LINEAR_ROWS rows), oneDNN the prefill rows (benchmarks, tests)
-    amx_prefill: bool = True
-    # False: plain greedy rows read the whole output projection, never its
-    # int8 screen (benchmarks, tests)
-    greedy_screen: bool = True
+    # True: token-row steps run the model's compiled forward
+    # (backends/compiled_step.py) where the plan can; the server's default
+    # (``--enforce-eager`` turns it off), not a library caller's.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.cpu_kind != "auto" and self.cpu_kind not in CPU_KINDS:
@@ -179,6 +166,9 @@ class Availability:
     # capability it runs at when it is neither ("default", ...).
     torch_int4: str = "avx512"
     amx_tiles: bool = False  # the avx512_bf16 kernels' AMX tile linear runs here
+    # A C++ compiler for torch.compile's generated code (Inductor builds it
+    # at run time; the native kernels may have been built elsewhere).
+    cpp_compiler: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,18 +203,10 @@ class ExecutionPlan:
     # rest from the native kernel) or "none".
     shared_prefix_decode: str = "none"
     activation: str = "torch"        # act(gate)*up: native | torch
-    # The greedy pick of plain greedy rows (no logprobs, bias, penalties or
-    # grammar): "native" (baton::row_max over the logits in the activation
-    # dtype: one read, torch.argmax's ties) or "torch" (float32 logits, argmax).
-    greedy_pick: str = "torch"
-    # Max rows of a plain greedy step whose pick reads an int8 copy of the
-    # bf16 output projection first and computes exactly only the logits that
-    # can still win (backends/greedy_screen.py); 0 off.
-    greedy_screen: int = 0
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
-    # Max rows of the AMX tile linear: above the gemv's (bf16-gemv+onednn),
-    # or from one row (bf16-amx+onednn); 0 off.
+    # Max rows of the AMX tile linear (linear bf16-amx+onednn: every call of
+    # 1 to this many rows); 0 off.
     amx_linear_rows: int = 0
     # The native decode attention's bf16 scores (bf16 query and KV): "amx"
     # (TDPBF16PS tiles, where the avx512_bf16 kernels run and AMX tile data
@@ -238,6 +220,10 @@ class ExecutionPlan:
     sliding_attention: str = "none"  # sliding-window layers, decode and prefill: torch-sdpa
     softcap_attention: str = "none"  # soft-capped layers: torch-eager
     moe: str = "none"                # expert dispatch: torch-grouped
+    # How token-row steps (decodes, verification rows) run: "compiled" (the
+    # model's forward under torch.compile, backends/compiled_step.py) or
+    # "eager"; prefill chunks always run eagerly.
+    step: str = "eager"
 
     @property
     def torch_decode_masks(self) -> bool:
@@ -263,8 +249,7 @@ class ExecutionPlan:
                  f"decode attention {self.decode_attention}"
                  + (f" ({self.attention_scores} scores)" if self.attention_scores else ""),
                  f"prefill attention {self.prefill_attention}",
-                 f"{self.mlp_activation} {self.activation}",
-                 f"greedy pick {self.greedy_pick}"]
+                 f"{self.mlp_activation} {self.activation}"]
         if self.sliding_attention != "none":
             parts.append(f"sliding-window attention {self.sliding_attention}")
         if self.softcap_attention != "none":
@@ -273,14 +258,12 @@ class ExecutionPlan:
             parts.append(f"shared-prefix decode {self.shared_prefix_decode}")
         if self.moe != "none":
             parts.append(f"experts {self.moe}")
-        if self.greedy_screen:
-            parts.append(f"greedy screen <= {self.greedy_screen} rows (int8 head copy)")
+        parts.append(f"decode steps {self.step}")
         if self.whole_step_decode:
             parts.append(f"whole-step decode <= {self.whole_step_decode} rows"
                          + (" of int4 panels" if self.whole_step_weights == "int4" else ""))
         if self.amx_linear_rows:
-            parts.append(f"amx-tile linear <= {self.amx_linear_rows} rows"
-                         + (" (from 1 row)" if self.linear == "bf16-amx+onednn" else ""))
+            parts.append(f"amx-tile linear <= {self.amx_linear_rows} rows")
         if self.quantization != "none":
             formats = f" ({'+'.join(self.weight_formats)})" if self.weight_formats else ""
             parts.insert(1, f"quantization {self.quantization}{formats}")
@@ -346,12 +329,14 @@ class _ModelNeeds:
             changes["prefill_attention"] = "torch-sdpa"
             notes.append(f"prefill attention on torch-sdpa (the AMX kernel takes head_dim 32-128 "
                          f"in steps of 32, not {self.head_dim})")
-        if plan.greedy_screen and self.final_softcap:
-            changes["greedy_screen"] = 0
-            notes.append("no greedy screen (its bound is on the logits before soft-capping)")
         if plan.whole_step_decode and not self.plain:
             changes["whole_step_decode"] = 0
             notes.append("no whole-step decode (it runs plain Llama/Qwen layers only)")
+        if plan.step == "compiled" and (self.sliding or self.softcap or self.moe):
+            changes["step"] = "eager"
+            what = ("sliding-window" if self.sliding else "soft-capped" if self.softcap
+                    else "mixture-of-experts")
+            notes.append(f"decode steps eager (the compiled step has no {what} layers)")
         return replace(plan, notes=tuple(notes), **changes)
 
 
@@ -450,7 +435,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
                      f"are not all 4-bit groups)")
     # Decode batches above the gemv's rows: the AMX tile linear on the same
     # tiles (bf16 activations only; same rounding as oneDNN's bf16 linear).
-    amx_rows = (AMX_LINEAR_ROWS if whole_step and activation == "bfloat16" and cpu.amx_bf16
+    amx_rows = (AMX_PREFILL_ROWS if whole_step and activation == "bfloat16" and cpu.amx_bf16
                 and kernels == "avx512_bf16" and available.amx_tiles and options.amx
                 and whole_weights == "bf16" else 0)
     # On AMX the tile linear takes prefill chunks too (up to
@@ -462,23 +447,23 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # prefill's step held up to AMX_PREFILL_ROWS tokens.
     if amx_rows:
         whole_step = WHOLE_STEP_AMX_ROWS
-    if amx_rows and options.amx_prefill:
         linear = lm_head = "bf16-amx+onednn"
-        amx_rows = AMX_PREFILL_ROWS
-    # Plain greedy steps of a few rows pick through an int8 copy of the bf16
-    # output projection (half its bytes; the exact logits only of the rows
-    # that can still win, by the projection's own kernel): the same token.
-    screen = (GREEDY_SCREEN_ROWS if native and activation == "bfloat16" and options.greedy_screen
-              and lm_head in ("bf16-gemv+onednn", "bf16-amx+onednn") else 0)
     # Decode scores and prefill chunks' attention on AMX tiles: bf16 query
     # and KV where the avx512_bf16 kernels run and tile data is granted.
     amx_attention = (native and kernels == "avx512_bf16" and cpu.amx_bf16
                      and available.amx_tiles and kv == "bfloat16" and activation == "bfloat16")
+    step = "eager"
+    if options.compile and native:
+        if available.cpp_compiler:
+            step = "compiled"
+        else:
+            notes.append("decode steps eager (no C++ compiler for torch.compile)")
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
-                     + (" (no whole-step decode)" if whole_step else ""))
+                     + (" (no whole-step decode)" if whole_step else "")
+                     + (" (decode steps eager)" if options.compile else ""))
         whole_step = 0
-        screen = 0  # each rank holds a slice of the output projection
+        step = "eager"
     return ExecutionPlan(
         device=device, dtype=dtype, activation_dtype=activation,
         weight_dtype="bfloat16" if bf16_weights else activation, kv_dtype=kv,
@@ -489,11 +474,9 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         decode_attention="native" if native else "torch-sdpa",
         shared_prefix_decode="cascade" if native else "none",
         activation="native" if native else "torch",
-        greedy_pick="native" if native else "torch",
-        greedy_screen=screen,
         whole_step_decode=whole_step, whole_step_weights=whole_weights,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,
         attention_scores="amx" if amx_attention else "",
         prefill_attention="native-amx" if amx_attention else "torch-sdpa",
-        notes=tuple(notes))
+        step=step, notes=tuple(notes))

@@ -9,6 +9,7 @@ The service never imports a concrete backend.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from backends.config import LoadedModel, ModelConfig
@@ -63,7 +64,15 @@ def probe_availability(device: str, cpu: CpuFeatures,
     return Availability(native_kernels=frozenset({cpu.kind}) if ok else frozenset(),
                         onednn_dtypes=onednn, reason=reason,
                         torch_int4=torch.backends.cpu.get_cpu_capability().lower(),
-                        amx_tiles=amx)
+                        amx_tiles=amx, cpp_compiler=cpp_compiler_found())
+
+
+def cpp_compiler_found() -> bool:
+    """Whether the C++ compiler Inductor would run is on PATH ($CXX, else
+    c++, g++ or clang++)."""
+    import shutil
+    cxx = os.environ.get("CXX")
+    return any(shutil.which(c) for c in ([cxx] if cxx else ["c++", "g++", "clang++"]))
 
 
 def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None,

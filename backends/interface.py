@@ -229,6 +229,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_output_tokens: int
     prompt_token_ids: list[int] | None = None
+    # Leading entries of block_table the backend was sent before and still
+    # holds (0 on the first step and after a preemption): the table's diff.
+    num_known_blocks: int = 0
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ bf16 instructions) nothing is replaced and the model keeps ``nn.Linear``.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -44,6 +45,23 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(torch.all(out == 8))
 
 
+class PackedWeight:
+    """A weight reordered once for oneDNN (an opaque mkldnn tensor), and,
+    where Baton's operator library is loaded, the handle its operators take
+    it by (``baton::hold_weight``): torch.compile traces an int, not a
+    tensor it cannot fake. Not a module buffer, so it is counted by
+    ``nbytes`` (backends/quantization/apply.py) rather than as a buffer."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.tensor = _reorder(weight.detach())
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        self.handle = 0
+        from backends import kernels
+        if kernels.loaded():
+            self.handle = int(torch.ops.baton.hold_weight(self.tensor))
+            weakref.finalize(self, torch.ops.baton.drop_weight, self.handle)
+
+
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` in oneDNN's blocked layout."""
 
@@ -51,13 +69,15 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        # A buffer, not a parameter: the opaque layout has no strides to save.
-        self.register_buffer("packed_weight", _reorder(weight.detach()), persistent=False)
+        self.packed = PackedWeight(weight)
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous(),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
+        if self.packed.handle:  # the same oneDNN call, opaque to torch.compile
+            return torch.ops.baton.packed_linear(x, self.packed.handle, self.bias,
+                                                 self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed.tensor, self.bias,
                                                   "none", [], "")
 
     def extra_repr(self) -> str:
@@ -102,64 +122,42 @@ class Bf16WeightLinear(nn.Module):
     Either way the batch size changes only the summation order. The tiles are
     a second copy of the weights beside oneDNN's: it is what the whole-step
     decode (backends/kernels/decode_bf16.c) streams, and, given ``amx`` (bf16
-    weights on a CPU with AMX tiles), what the AMX tile linear multiplies for
-    batches up to ``amx.max_rows`` (decode steps); larger ones take oneDNN.
-    With ``every_row`` (linear ``bf16-amx+onednn``; ``amx`` required) the
-    AMX tile linear takes every batch of 1 to ``amx.max_rows`` rows, prefill
-    or decode, and oneDNN only larger ones: each row's bits independent of
-    the rows beside it within that range.
+    weights on a CPU with AMX tiles; linear ``bf16-amx+onednn``), what the
+    AMX tile linear multiplies for every batch of 1 to ``amx.max_rows`` rows,
+    prefill or decode, oneDNN taking only larger ones: each row's bits
+    independent of the rows beside it within that range.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemv,
-                 amx=None, every_row: bool = False) -> None:
+                 amx=None) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.gemv = gemv
-        self.amx = amx if weight.dtype == torch.bfloat16 else None
-        if every_row and self.amx is None:
-            raise ValueError("a Bf16WeightLinear with every_row needs bf16 weights and the "
-                             "AMX tile linear")
-        self.every_row = every_row
+        if amx is not None and weight.dtype != torch.bfloat16:
+            raise ValueError("the AMX tile linear takes bf16 weights and activations")
+        self.amx = amx
         act = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
         w16 = weight.detach().to(torch.bfloat16)
         # The gemv kernel's tiled layout (rows padded to 16, columns to 32).
         self.register_buffer("weight_tiled", gemv.tile(w16), persistent=False)
-        self.register_buffer("packed_weight", _reorder(w16.to(act)), persistent=False)
+        self.packed = PackedWeight(w16.to(act))
         b = None if bias is None else bias.detach().to(torch.bfloat16).to(act).contiguous()
         self.register_buffer("bias", b, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 0:  # a step that samples no row
-            return x.new_empty(0, self.out_features)
-        if self.every_row and x.dim() == 2 and x.shape[0] <= self.amx.max_rows:
-            return self.amx(x, self.weight_tiled, self.out_features, self.bias)
-        if x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
-            return self.gemv(x, self.weight_tiled, self.out_features, self.bias)
-        if (self.amx is not None and self.amx.enabled and x.dim() == 2
-                and x.shape[0] <= self.amx.max_rows):
-            return self.amx(x, self.weight_tiled, self.out_features, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
-                                                  "none", [], "")
-
-    def features_only(self, x: torch.Tensor, features: torch.Tensor,
-                      w_tiled: torch.Tensor) -> torch.Tensor:
-        """``forward(x)[:, features]`` from ``w_tiled`` (``gemv.tile`` of
-        those rows of the weight) by the kernel ``forward`` takes for x's
-        rows, for calls of up to the gemv's rows: the AMX tile linear or the
-        gemv, where each output's bits depend only on its weight row and its
-        input row, so they are ``forward``'s (the greedy screen's exact pass)."""
-        if x.dim() != 2 or not 0 < x.shape[0] <= self.gemv.max_rows:
-            raise ValueError(f"features_only takes 1 to {self.gemv.max_rows} rows")
-        bias = None if self.bias is None else self.bias[features].contiguous()
-        if self.every_row and x.shape[0] <= self.amx.max_rows:
-            return self.amx(x, w_tiled, len(features), bias)
-        return self.gemv(x, w_tiled, len(features), bias)
+        # One operator whatever the rows (baton::linear_tiled picks the
+        # kernel in C++): a compiled step has no branch on its token count.
+        amx_rows = 0 if self.amx is None else self.amx.max_rows
+        return torch.ops.baton.linear_tiled(
+            x.reshape(-1, self.in_features), self.weight_tiled, self.packed.handle, None,
+            self.bias, self.out_features, 0 if amx_rows else self.gemv.max_rows,
+            amx_rows, self.gemv.kind).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bfloat16 weights, {self.packed_weight.dtype} activations"
-                + (f", 1-{self.amx.max_rows} rows on the AMX tiles" if self.every_row else ""))
+                f"bfloat16 weights, {self.packed.tensor.dtype} activations"
+                + (f", 1-{self.amx.max_rows} rows on the AMX tiles" if self.amx else ""))
 
 
 def bf16_weights_linears(model: nn.Module, gemv) -> int:
@@ -187,9 +185,10 @@ class TiledHeadLinear(nn.Module):
         self.register_buffer("weight_tiled", gemv.tile(weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 0 < x.shape[0] <= self.gemv.max_rows:
-            return self.gemv(x, self.weight_tiled, self.out_features)
-        return torch.nn.functional.linear(x, self.weight)
+        return torch.ops.baton.linear_tiled(
+            x.reshape(-1, self.in_features), self.weight_tiled, 0, self.weight, None,
+            self.out_features, self.gemv.max_rows, 0, self.gemv.kind).view(
+                *x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -217,8 +216,7 @@ def swap_linears(model: nn.Module, plan) -> int:
     elif plan.linear in ("bf16-gemv+onednn", "bf16-amx+onednn"):
         from backends.kernels import GemvBf16
         gemv = GemvBf16(plan.kernels)
-        every = plan.linear == "bf16-amx+onednn"
-        make = lambda w, b: Bf16WeightLinear(w, b, gemv, amx, every)  # noqa: E731
+        make = lambda w, b: Bf16WeightLinear(w, b, gemv, amx)  # noqa: E731
     replaced = _replace_linears(model.layers, make) if make is not None else 0
     if type(model.lm_head) is nn.Linear and plan.lm_head != "torch":
         if plan.lm_head == "bf16-gemv+torch":
@@ -227,8 +225,7 @@ def swap_linears(model: nn.Module, plan) -> int:
         elif plan.lm_head in ("bf16-gemv+onednn", "bf16-amx+onednn"):
             from backends.kernels import GemvBf16
             model.lm_head = Bf16WeightLinear(model.lm_head.weight, None,
-                                             GemvBf16(plan.kernels), amx,
-                                             every_row=plan.lm_head == "bf16-amx+onednn")
+                                             GemvBf16(plan.kernels), amx)
         else:
             model.lm_head = PackedLinear(model.lm_head.weight, None)
     return replaced

@@ -139,20 +139,6 @@ def build_ops(plan) -> ModelOps:
         sliding_attention=paged_attention, softcap_attention=paged_attention)
 
 
-def build_greedy_pick(plan):
-    """The plan's greedy pick as a ``sampler.RowMax`` (``baton::row_max`` of
-    ``plan.kernels``), or None where the plan says torch (the sampler's
-    argmax over float32 logits)."""
-    if plan.greedy_pick != "native":
-        return None
-    from backends import kernels
-    k = kernels.kind_id(plan.kernels)
-    row_max = torch.ops.baton.row_max
-    # contiguous(): a tensor-parallel head's logits are a slice of the
-    # padded vocabulary (a no-op otherwise).
-    return lambda logits: row_max(logits.contiguous(), k)
-
-
 # ----------------------------------------------------------------- native
 def native_cpu_ops(kind: str, prefill_amx: bool = False) -> ModelOps:
     """The C kernels of CPU kind ``kind`` as torch operators

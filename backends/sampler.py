@@ -99,11 +99,6 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None       # [S, N]
 
 
-# Each row's largest value (float32) and the first index holding it, as
-# torch.max(logits, dim=-1) gives them (baton::row_max on CPUs).
-RowMax = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
 def plain_greedy(batch: SamplingBatch) -> bool:
     """Whether every row's token is the argmax of its raw logits: all
     greedy, and nothing that changes or reports the logits (bias, banned
@@ -113,14 +108,13 @@ def plain_greedy(batch: SamplingBatch) -> bool:
             and batch.deferred is None)
 
 
-def greedy_pick(logits: torch.Tensor, row_max: RowMax) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For a ``plain_greedy`` batch: the picked ids (``logits.argmax(-1)``,
     ties to the first index) and which rows are finite (a row with a NaN or
     an infinity as its largest value cannot be sampled). ``logits`` may be in
     the model's dtype: a pick that only compares values needs no float32
-    copy, and ``row_max`` reads each row once where argmax, the float32
-    conversion and the finiteness check read it three times."""
-    values, token_ids = row_max(logits)
+    copy, and one ``max`` reads each row once for both answers."""
+    values, token_ids = logits.max(dim=-1)
     return token_ids, torch.isfinite(values)
 
 

@@ -32,9 +32,10 @@ from backends.device import DTYPES, cuda_kv_budget, zeros_lazily
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
 from backends.execution import ExecutionPlan
+from backends.input_batch import InputBatch
 from backends.linear import swap_linears
 from backends.models.decoder import DecoderLM
-from backends.ops import build_greedy_pick, build_ops
+from backends.ops import build_ops
 from backends.parallel.group import ForwardRow, TensorParallelGroup
 from backends.quantization.spec import QuantizationSpec, projection_formats
 from backends.rope import local_rope_table, rope_table
@@ -130,7 +131,6 @@ class TorchBackend:
         cos_table, sin_table = rope_table(self.config, positions, act, self.device)
         local_tables = local_rope_table(self.config, positions, act, self.device)
         self.ops = build_ops(plan)
-        self._greedy_pick = build_greedy_pick(plan)
         with torch.device("meta"):
             self.model = DecoderLM(self.model_config, self.ops, cos_table, sin_table,
                                    local_tables)
@@ -156,13 +156,6 @@ class TorchBackend:
         n = swap_linears(self.model, plan)
         log.debug("%d linear layers as %s, output projection as %s", n, plan.linear,
                   plan.lm_head)
-        self._screen = None
-        if plan.greedy_screen and parallel is None:
-            from backends.greedy_screen import ScreenedGreedyPick
-            self._screen = ScreenedGreedyPick(self.model.lm_head, plan.kernels,
-                                              plan.greedy_screen)
-            log.debug("greedy screen: an int8 copy of the output projection, %.1f MiB",
-                      self._screen.nbytes / 2**20)
         if parallel is not None:
             from backends.parallel.layers import parallelize
             parallelize(self.model, parallel, shard.partition)
@@ -181,9 +174,16 @@ class TorchBackend:
              zeros_lazily(shape, self.kv_dtype, self.device))
             for _ in range(self.config.num_layers)]
         self._whole_step = self._native_decode() if plan.whole_step_decode else None
-        # The AMX tile linear the linears share (swap_linears), if the plan has one.
-        self._amx = next((m.amx for m in self.model.modules()
-                          if getattr(m, "amx", None) is not None), None)
+        # Token ids, positions, slots and block tables of every step, in
+        # buffers allocated once (backends/input_batch.py).
+        self._batch = InputBatch(
+            max_tokens=4096, max_blocks=-(-positions // block_size) + 1,
+            block_size=block_size, device=self.device)
+        self._compiled = None
+        if plan.step == "compiled":
+            from backends.compiled_step import TOKEN_ROWS_LIMIT, CompiledStep
+            self._compiled = CompiledStep(self.model, self.kv_caches)
+            self._token_rows_limit = TOKEN_ROWS_LIMIT
 
         # A fixed thread count, or (None, on CPU) one that follows what other
         # processes leave free. A tensor-parallel rank keeps the cores and
@@ -202,6 +202,9 @@ class TorchBackend:
             self._shared_generator.seed()
         else:
             self._shared_generator.manual_seed(seed)
+        if self._compiled is not None:
+            self.compile_seconds = self._compiled.warm_up(
+                block_size, self.device, progress=parallel is None or parallel.rank == 0)
 
     @property
     def _int4_whole_step(self) -> bool:
@@ -358,6 +361,7 @@ class TorchBackend:
             self._governor.before_step()
         for request_id in scheduler_output.finished_request_ids:
             self._states.pop(request_id, None)
+        self._batch.release(scheduler_output.finished_request_ids)
         for scheduled in scheduler_output.requests:
             if scheduled.request_id not in self._states:
                 self._states[scheduled.request_id] = self._new_state(scheduled)
@@ -370,7 +374,13 @@ class TorchBackend:
         if self.parallel is not None:  # the other ranks prepare while this one does
             self.parallel.broadcast_step(rows, [(lo, lo + last - first)
                                                 for _, first, last, lo in spans])
-        input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows)
+        compiled = self._compiled is not None and not spans
+        filled = self._batch.fill(rows, self._token_rows_limit if compiled else 0)
+        compiled = filled.token_rows is not None and not self._cascade_pays(rows)
+        if compiled:
+            sample_rows, logits_index = self._sample_rows(rows)
+        else:
+            input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows, filled)
         batch = self._sampling_batch(sample_rows)
         constrained, waiting = self._grammar_rows(sample_rows, batch)
         grammar_rows = constrained + waiting
@@ -379,26 +389,29 @@ class TorchBackend:
         t1 = time.perf_counter()
         timings.prepare = t1 - t0
 
-        whole = self._whole_step
-        if self._amx is not None:  # decode steps only (LinearAmx.enabled)
-            self._amx.enabled = not meta.prefills
-        if (whole is not None and not meta.prefills
-                and meta.num_decode == input_ids.shape[0] <= whole.max_rows):
-            hidden = whole(self.model.embed(input_ids), positions, meta.slot_mapping,
-                           meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
-            out_rows = None
+        plain = not constrained and not waiting and plain_greedy(batch)
+        prompt_logprobs = {}
+        if compiled:
+            # Logits of every token row, in the activation dtype.
+            logits = self._compiled(filled.input_ids, filled.positions, filled.token_rows)
+            if logits_index.shape[0] != logits.shape[0]:
+                logits = logits.index_select(0, logits_index)
+            if not plain:
+                logits = logits.float()
         else:
-            out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
-        plain = (self._greedy_pick is not None and not constrained and not waiting
-                 and plain_greedy(batch))
-        # With out_rows the model returned the sampled rows alone, in order.
-        picked_hidden = hidden if out_rows is not None else hidden[logits_index]
-        screened = (self._screen(picked_hidden)
-                    if plain and self._screen is not None else None)
-        logits = None if screened is not None else self.model.compute_logits(
-            picked_hidden, float32=not plain)
-        prompt_logprobs = self._prompt_logprobs(spans, hidden)
+            whole = self._whole_step
+            if (whole is not None and not meta.prefills
+                    and meta.num_decode == input_ids.shape[0] <= whole.max_rows):
+                hidden = whole(self.model.embed(input_ids), positions, meta.slot_mapping,
+                               meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
+                out_rows = None
+            else:
+                out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
+            # With out_rows the model returned the sampled rows alone, in order.
+            picked_hidden = hidden if out_rows is not None else hidden[logits_index]
+            logits = self.model.compute_logits(picked_hidden, float32=not plain)
+            prompt_logprobs = self._prompt_logprobs(spans, hidden)
         t2 = time.perf_counter()
         timings.forward = t2 - t1
 
@@ -407,11 +420,8 @@ class TorchBackend:
                              masks.result().to(self.device))
         # A row with a NaN or an infinity cannot be sampled; its request fails
         # alone (amax propagates NaN). -1 marks it in the one host transfer.
-        if screened is not None:
-            ids, finite = screened
-            out = SamplerOutput(ids, None, None, None)
-        elif plain:
-            ids, finite = greedy_pick(logits, self._greedy_pick)
+        if plain:
+            ids, finite = greedy_pick(logits)
             out = SamplerOutput(ids, None, None, None)
         else:
             finite = torch.isfinite(logits.amax(dim=-1))
@@ -548,7 +558,7 @@ class TorchBackend:
         """A tensor-parallel rank other than 0: the collective part of rank
         0's ``execute`` (the forward pass, the logits of the sampled rows,
         then of each prompt-logprob span), on what rank 0 broadcast."""
-        input_ids, positions, meta, _, logits_index = self._prepare(rows)
+        input_ids, positions, meta, _, logits_index = self._prepare(rows, self._batch.fill(rows))
         out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
         self.model.compute_logits(hidden if out_rows is not None else hidden[logits_index])
@@ -576,33 +586,44 @@ class TorchBackend:
                 state.prompt_mask[torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
         return state
 
-    def _prepare(self, rows: list[ScheduledRequest]):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[ScheduledRequest] = []
-        prefill_rows: list[tuple[int, ScheduledRequest]] = []
+    def _sample_rows(self, rows) -> tuple[list, torch.Tensor]:
+        """The rows that sample this step and the batch row of each one's
+        last token."""
         sample_rows: list[ScheduledRequest] = []
         logits_index: list[int] = []
+        start = 0
         for row in rows:
-            start = len(input_ids)
+            start += len(row.token_ids)
+            if row.sample:
+                sample_rows.append(row)
+                logits_index.append(start - 1)
+        return sample_rows, torch.tensor(logits_index, dtype=torch.long).to(self.device)
+
+    def _cascade_pays(self, rows) -> bool:
+        """Whether this step's decodes share cached prefixes the eager
+        path's cascade attention computes once (backends/attention.py)."""
+        if self.plan.shared_prefix_decode != "cascade":
+            return False
+        decodes = [r for r in rows if len(r.token_ids) == 1]
+        return bool(decodes) and bool(find_shared_prefixes(
+            [r.block_table for r in decodes], [r.start_pos for r in decodes], self.block_size))
+
+    def _prepare(self, rows: list[ScheduledRequest], filled):
+        """The eager step's attention metadata over ``filled`` (the batch's
+        flat inputs for ``rows``)."""
+        decode_rows: list[ScheduledRequest] = []
+        prefill_rows: list[tuple[int, ScheduledRequest]] = []
+        start = 0
+        for row in rows:
             n = len(row.token_ids)
-            input_ids.extend(row.token_ids)
-            table = row.block_table
-            for pos in range(row.start_pos, row.start_pos + n):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
             if n == 1:
                 decode_rows.append(row)
             else:
                 prefill_rows.append((start, row))
-            if row.sample:
-                sample_rows.append(row)
-                logits_index.append(start + n - 1)
-
-        dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev)
+            start += n
+        sample_rows, logits_index = self._sample_rows(rows)
+        slot_mapping = filled.slot_mapping
+        bs = self.block_size
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, block_size=bs,
             num_decode=len(decode_rows), decode_blocks=None, decode_mask=None,
@@ -618,9 +639,7 @@ class TorchBackend:
                           for start, row in prefill_rows])
             if decode_rows:
                 self._decode_window(decode_rows, meta.sliding, window)
-        return (torch.tensor(input_ids, dtype=torch.long).to(dev),
-                torch.tensor(positions, dtype=torch.long).to(dev), meta, sample_rows,
-                torch.tensor(logits_index, dtype=torch.long).to(dev))
+        return filled.input_ids, filled.positions, meta, sample_rows, logits_index
 
     def _prefill_segment(self, start: int, row: ScheduledRequest,
                          window: int | None = None) -> PrefillSegment:

@@ -70,9 +70,9 @@ def main() -> None:
     ap.add_argument("--no-amx-attention", action="store_true",
                     help="bf16 decode attention scores on VDPBF16PS, not AMX tiles "
                          "(backends/kernels/paged_attention.c)")
-    ap.add_argument("--no-greedy-screen", action="store_true",
-                    help="plain greedy steps read every logit, not the int8 screen of the "
-                         "output projection (backends/greedy_screen.py)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="decode steps eager (the whole-step native decode where the plan has "
+                         "one), not the compiled step (backends/compiled_step.py)")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()
@@ -100,7 +100,7 @@ def main() -> None:
         threads=args.threads, quantization=QuantizationSpec(args.quantization),
         execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
                                    cpu_kind=args.cpu_kind, amx=not args.no_amx,
-                                   greedy_screen=not args.no_greedy_screen)))
+                                   compile=not args.enforce_eager)))
     if args.no_cascade:
         import dataclasses
         backend.plan = dataclasses.replace(backend.plan, shared_prefix_decode="none")

@@ -152,7 +152,7 @@ def next_token_logprobs(backend: TorchBackend, token_ids: list[int]) -> torch.Te
     row = ScheduledRequest("quality", token_ids, 0, list(range(blocks)), False,
                            SamplingParams(max_tokens=1), 0)
     # The backend's own step preparation, so attention metadata stays its business.
-    input_ids, positions, meta, _, _ = backend._prepare([row])
+    input_ids, positions, meta, _, _ = backend._prepare([row], backend._batch.fill([row]))
     hidden = backend.model(input_ids, positions, backend.kv_caches, meta)
     return torch.log_softmax(backend.model.compute_logits(hidden[:-1]), dim=-1)
 

@@ -49,6 +49,9 @@ class Request:
     arrival_index: int = 0
     # Prompt tokens found in the prefix cache when first admitted (None until then).
     num_cached_tokens: int | None = None
+    # Blocks of its table already sent to the backend (0 again after a
+    # preemption: the recompute gets a new table).
+    num_blocks_sent: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -245,11 +245,14 @@ class Scheduler:
             request.ever_scheduled = True
             request.first_scheduled_time = time.monotonic()
         request.num_computed_tokens = start + num_new
+        table = self.kv_cache.block_table(request.request_id)
+        known, request.num_blocks_sent = request.num_blocks_sent, len(table)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_slice(start, start + num_new),
             start_pos=start,
-            block_table=self.kv_cache.block_table(request.request_id),
+            block_table=table,
+            num_known_blocks=known,
             # A scored prompt (max_tokens 0) only needs its positions computed.
             sample=request.num_computed_tokens == request.num_tokens and request.max_tokens > 0,
             sampling_params=request.sampling_params,
@@ -262,6 +265,7 @@ class Scheduler:
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_blocks_sent = 0
         request.num_preemptions += 1
         self.waiting.add_preempted(request)
 

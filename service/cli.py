@@ -179,6 +179,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--no-fast-paths", True, "portable torch ops only: no native kernels, no "
           "oneDNN prepacking (the reference path; BATON_FAST_PATHS=0; default: fast paths "
           "on)", dest="fast_paths", action="store_false", env_name="BATON_FAST_PATHS")
+    _flag(parser, "--enforce-eager", False, "run every step eagerly: no torch.compile of "
+          "the decode step (start-up without compiling; BATON_ENFORCE_EAGER=1)",
+          action="store_true", env_name="BATON_ENFORCE_EAGER")
     _flag(parser, "--generation-config", "auto", "sampling defaults: auto (the model's "
           "generation_config.json), vllm (none: the request's values, else OpenAI's), or "
           "a folder holding a generation_config.json")
@@ -216,7 +219,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         scheduling_policy=ns.scheduling_policy,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         prefill_only_step_tokens=ns.prefill_only_step_tokens,
-        fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind,
+        fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind, enforce_eager=ns.enforce_eager,
         revision=ns.revision, download_dir=ns.download_dir,
         generation_config=ns.generation_config, parallel=_parallel_config(ns),
         chat_template=ns.chat_template, conversion_cache=ns.conversion_cache, progress=True,

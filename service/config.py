@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backends.parallel.config import ParallelConfig
 from scheduler.config import FaultPolicy
@@ -45,6 +46,11 @@ def parse_count(text: str | int) -> int:
     return int(value)
 
 
+def env_flag(name: str) -> bool:
+    """A boolean BATON_* variable: 1, true, yes or on (any case) is True."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     model: str | None = None          # None: the embedded default
@@ -66,6 +72,9 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget
     prefill_only_step_tokens: int = 2048  # a step without decodes: short prompts up to this
     fast_paths: bool = True              # False: portable torch ops only (backends/execution.py)
+    # True: no compiled decode step (backends/compiled_step.py); default from
+    # BATON_ENFORCE_EAGER, as the CLI's --enforce-eager
+    enforce_eager: bool = field(default_factory=lambda: env_flag("BATON_ENFORCE_EAGER"))
     cpu_kind: str = "auto"               # force a lower CPU kind: portable, avx2, avx512, avx512_bf16
     revision: str | None = None          # Hub ids only: branch, tag or commit
     download_dir: str | None = None      # Hub ids only: cache folder (None: HF's own)

@@ -10,6 +10,7 @@ them as read-only (copy a folder before breaking it).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from collections.abc import Callable
@@ -17,6 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+
+# Engines and servers the tests build run their decode steps eagerly unless a
+# test asks for the compiled step (enforce_eager=False): compiling costs
+# seconds per engine. tests/test_compiled_step.py covers the compiled step.
+os.environ.setdefault("BATON_ENFORCE_EAGER", "1")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from backends import kernels as native
-from backends.execution import (AMX_LINEAR_ROWS, AMX_PREFILL_ROWS, CPU_KINDS,
+from backends.execution import (AMX_PREFILL_ROWS, CPU_KINDS,
                                 WHOLE_STEP_AMX_ROWS, Availability,
                                 CpuFeatures, ExecutionOptions, make_plan)
 from backends.factory import BackendConfig, create_backend
@@ -34,7 +34,7 @@ def _amx_or_skip() -> native.LinearAmx:
     ok, reason = native.amx_ready("avx512_bf16")
     if not ok:
         pytest.skip(f"no AMX tile linear here: {reason}")
-    return native.LinearAmx("avx512_bf16", AMX_LINEAR_ROWS)
+    return native.LinearAmx("avx512_bf16", 32)
 
 
 def _bf16_operands(seed, rows, out_features, in_features):
@@ -161,84 +161,60 @@ def test_other_kinds_have_no_amx_linear(kind):
         native.LinearAmx(kind, 32)
 
 
-class _Counting:
-    def __init__(self, fn) -> None:
-        self.fn, self.max_rows, self.rows = fn, fn.max_rows, []
-        self.tile = getattr(fn, "tile", None)
-        self.enabled = True
-
-    def __call__(self, x, *args):
-        self.rows.append(x.shape[0])
-        return self.fn(x, *args)
-
-
-def test_bf16_weight_linear_gives_decode_batches_to_amx():
-    """Up to the gemv's rows: the gemv; then up to AMX_LINEAR_ROWS: the tile
-    linear; larger batches (prefill chunks): oneDNN. A row's result is the
-    same, to the last bf16 step, whichever path its batch took."""
-    from backends.linear import Bf16WeightLinear
-    amx = _Counting(_amx_or_skip())
-    gemv = _Counting(native.GemvBf16("avx512_bf16"))
-    gen = torch.Generator().manual_seed(21)
-    w = torch.randn(80, 48, generator=gen).to(torch.bfloat16)
-    b = torch.randn(80, generator=gen).to(torch.bfloat16)
-    layer = Bf16WeightLinear(w, b, gemv, amx)
-    x = torch.randn(40, 48, generator=gen).to(torch.bfloat16)
-    for n in (1, 4, 5, 32, 33, 40):
-        _close_to_rounded_reference(layer(x[:n]), x[:n], w, b)
-    assert gemv.rows == [1, 4] and amx.rows == [5, 32]
-    for n in (1, 5, 33):
-        torch.testing.assert_close(layer(x[:n])[0].double(), layer(x)[0].double(),
-                                   atol=1e-6, rtol=2 ** -7)
-    # float32 weights of bf16 values (CPUs without native bf16) never take it
-    assert Bf16WeightLinear(w.float(), b.float(), gemv, amx).amx is None
+def _kernels_of(layer, x, gemv, amx) -> set[str]:
+    """The kernels whose own result ``layer(x)`` equals to the bit
+    (baton::linear_tiled picks one in C++ by the number of rows; at one row
+    the gemv and the tile linear may agree)."""
+    y = layer(x)
+    found = set()
+    if x.shape[0] <= gemv.max_rows and torch.equal(
+            y, gemv(x, layer.weight_tiled, layer.out_features, layer.bias)):
+        found.add("gemv")
+    if torch.equal(y, amx(x, layer.weight_tiled, layer.out_features, layer.bias)):
+        found.add("amx")
+    return found
 
 
-def test_bf16_weight_linear_every_row_gives_batches_up_to_max_rows_to_amx():
+def test_bf16_weight_linear_gives_batches_up_to_max_rows_to_amx():
     """bf16-amx+onednn: every batch of 1 to max_rows rows (the gemv's few and
-    prefill chunks alike) on the tile linear, whatever the decode-only switch
-    says; a row's bits the same whichever such batch it came in; oneDNN
-    above max_rows."""
+    prefill chunks alike) on the tile linear; a row's bits the same whichever
+    such batch it came in; oneDNN above max_rows; without the tile linear the
+    gemv takes its few rows."""
     from backends.linear import Bf16WeightLinear
-    amx = _Counting(_amx_or_skip())
+    amx = _amx_or_skip()
     amx.max_rows = 300
-    gemv = _Counting(native.GemvBf16("avx512_bf16"))
+    gemv = native.GemvBf16("avx512_bf16")
     gen = torch.Generator().manual_seed(22)
     w = torch.randn(80, 600, generator=gen).to(torch.bfloat16)
     b = torch.randn(80, generator=gen).to(torch.bfloat16)
-    layer = Bf16WeightLinear(w, b, gemv, amx, every_row=True)
+    layer = Bf16WeightLinear(w, b, gemv, amx)
     assert "1-300 rows on the AMX tiles" in repr(layer)
-    amx.enabled = False  # the decode-only switch does not apply here
     x = torch.randn(301, 600, generator=gen).to(torch.bfloat16)
     full = layer(x[1:])
     _close_to_rounded_reference(full, x[1:], w, b)
     for n in (1, 3, 5, 33, 129):
         assert torch.equal(layer(x[-n:]), full[-n:]), n
+        assert "amx" in _kernels_of(layer, x[-n:], gemv, amx), n
     _close_to_rounded_reference(layer(x), x, w, b)  # 301 rows: oneDNN
-    assert gemv.rows == [] and amx.rows == [300, 1, 3, 5, 33, 129]
+    no_tiles = Bf16WeightLinear(w, b, gemv)
+    assert "gemv" in _kernels_of(no_tiles, x[:4], gemv, amx)
+    _close_to_rounded_reference(no_tiles(x[:5]), x[:5], w, b)
     with pytest.raises(ValueError, match="AMX tile linear"):
-        Bf16WeightLinear(w, b, gemv, None, every_row=True)
+        Bf16WeightLinear(w.float(), b.float(), gemv, amx)
 
 
 def test_plan_gives_every_bf16_row_to_amx_only_where_it_runs():
     """Native bf16 with AMX tiles available: every call of up to
-    AMX_PREFILL_ROWS rows on the tile linear (bf16-amx+onednn), or with
-    amx_prefill=False decode batches above the gemv's rows, the same
-    numerics either way. Not without AMX
-    (the AVX512_BF16 EPYC kind), nor without the OS's leave (amx_tiles), nor
-    when turned off, nor for float32 or the bf16-weights mode."""
+    AMX_PREFILL_ROWS rows on the tile linear (bf16-amx+onednn). Not without
+    AMX (the AVX512_BF16 EPYC kind), nor without the OS's leave (amx_tiles),
+    nor when turned off, nor for float32 or the bf16-weights mode."""
     plan = make_plan("cpu", "bfloat16", "none", AMX, ALL)
     assert plan.amx_linear_rows == AMX_PREFILL_ROWS
     assert (plan.linear, plan.lm_head) == ("bf16-amx+onednn",) * 2
-    assert f"amx-tile linear <= {AMX_PREFILL_ROWS} rows (from 1 row)" in plan.describe()
-    decode_only = make_plan("cpu", "bfloat16", "none", AMX, ALL,
-                            ExecutionOptions(amx_prefill=False))
-    assert decode_only.amx_linear_rows == AMX_LINEAR_ROWS
-    assert f"amx-tile linear <= {AMX_LINEAR_ROWS} rows" in decode_only.describe()
-    assert (decode_only.linear, decode_only.lm_head) == ("bf16-gemv+onednn",) * 2
+    assert f"amx-tile linear <= {AMX_PREFILL_ROWS} rows" in plan.describe()
     # the whole-step decode takes a c=32 step on the tiles too (the
     # many-row tile linear inside its parallel region)
-    assert decode_only.whole_step_decode == plan.whole_step_decode == WHOLE_STEP_AMX_ROWS
+    assert plan.whole_step_decode == WHOLE_STEP_AMX_ROWS
     assert f"whole-step decode <= {WHOLE_STEP_AMX_ROWS} rows" in plan.describe()
     no_tiles = Availability(native_kernels=ALL.native_kernels, onednn_dtypes=ALL.onednn_dtypes)
     others = [make_plan("cpu", "bfloat16", "none", ZEN4, ALL),
@@ -277,61 +253,34 @@ def test_plan_names_amx_attention_scores_where_the_kernel_takes_them():
     assert all("scores)" not in p.describe() for p in others)
 
 
-def _backend(path, amx: bool, amx_prefill: bool = True):
+def _backend(path, amx: bool):
     loaded = load_model(path, dtype=torch.bfloat16)
     return create_backend(loaded, BackendConfig(
         dtype="bfloat16", block_size=4, num_kv_blocks=80,
-        execution=ExecutionOptions(amx=amx, amx_prefill=amx_prefill)))
+        execution=ExecutionOptions(amx=amx)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_amx_decode_batches_agree_with_onednn(request, arch):
-    """A native-bf16 backend whose decode batches of 5-8 rows run layer by
-    layer on the AMX tile linear (amx_prefill=False) against the same plan
-    on oneDNN: the
-    same greedy tokens and logprobs to bf16 precision (only the summation
-    order differs). Its prefill rows never take it: a prompt's prefill keeps
-    oneDNN's summation order (the same greedy request twice gave two answers
-    when a cache hit moved its prefill across the tile linear's row limit).
-    The default plan (bf16-amx+onednn) gives every row to the tile linear, prefill
-    rows included, and its decode steps to the whole-step decode: the same
-    tokens again."""
+def test_amx_rows_agree_with_onednn(request, arch):
+    """A native-bf16 backend whose linears take every call of up to 1024 rows
+    on the AMX tile linear (prefill chunks, and decode batches on the layer
+    path) against the same plan on oneDNN: the same greedy tokens and
+    logprobs to bf16 precision (only the summation order differs)."""
     _amx_or_skip()
     path = request.getfixturevalue(f"tiny_{arch}_dir")
-    fast, onednn = _backend(path, amx=True, amx_prefill=False), _backend(path, amx=False)
-    assert fast.plan.amx_linear_rows == AMX_LINEAR_ROWS and onednn.plan.amx_linear_rows == 0
+    fast, onednn = _backend(path, amx=True), _backend(path, amx=False)
+    assert fast.plan.linear == "bf16-amx+onednn" and onednn.plan.amx_linear_rows == 0
+    assert fast.model.lm_head.amx is not None
     # the layer path's linears (the whole-step decode takes up to 32 rows on
     # the tiles otherwise; test_native_bf16_whole_step_decode_agrees_with_its_layer_path)
-    fast._whole_step = None
-    counting = _Counting(fast.model.lm_head.amx)
-    for module in [*fast.model.modules()]:
-        if getattr(module, "amx", None) is not None:
-            module.amx = counting
-    fast._amx = counting
+    fast._whole_step = onednn._whole_step = None
     gen = torch.Generator().manual_seed(23)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist()
                for n in (1, 9, 3, 6, 2, 5, 7, 4)]
     ids_a, lp_a = _run(fast, prompts, 8)
     ids_b, lp_b = _run(onednn, prompts, 8)
-    # 8 decode steps of 8 rows: every layer linear and the output projection;
-    # the prefill step (8 rows sampled, 37 prompt rows) none.
-    layers = len(fast.model.layers)
-    assert counting.rows == [len(prompts)] * (8 * (4 * layers + 1))
-    counting.rows.clear()
-    _run(fast, [prompts[1][:6]], 0)  # a prefill of 6 rows: oneDNN
-    assert counting.rows == []
     assert ids_a == ids_b
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
-    every = _backend(path, amx=True)
-    assert every.plan.linear == "bf16-amx+onednn" and every.model.lm_head.every_row
-    counting = _Counting(every.model.lm_head.amx)
-    for module in [*every.model.modules()]:
-        if getattr(module, "amx", None) is not None:
-            module.amx = counting
-    ids_c, lp_c = _run(every, prompts, 8)
-    assert 37 in counting.rows  # the prefill step's prompt rows
-    assert ids_c == ids_b
-    torch.testing.assert_close(torch.tensor(lp_c), torch.tensor(lp_b), atol=0.01, rtol=0)
 
 
 def test_whole_step_decode_runs_amx_tiles_where_the_plan_has_them(tiny_llama_dir):
@@ -343,7 +292,6 @@ def test_whole_step_decode_runs_amx_tiles_where_the_plan_has_them(tiny_llama_dir
     _amx_or_skip()
     fast, plain = _backend(tiny_llama_dir, amx=True), _backend(tiny_llama_dir, amx=False)
     assert fast._whole_step.amx and not plain._whole_step.amx
-    assert _backend(tiny_llama_dir, amx=True, amx_prefill=False)._whole_step.amx
     assert not fast._native_decode("avx512").amx
     with pytest.raises(ValueError, match="bf16 weights and activations"):
         native.DecodeBf16("avx512_bf16", hidden=8, num_heads=1, num_kv_heads=1, head_dim=8,

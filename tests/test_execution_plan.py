@@ -81,8 +81,8 @@ def test_plan_table(case):
     assert got == expected
     # The native ops come and go together; the plan never mixes their dtypes.
     native = plan.kernels is not None
-    assert {plan.norm, plan.rope_kv_store, plan.activation,
-            plan.greedy_pick} == {"native" if native else "torch"}
+    assert {plan.norm, plan.rope_kv_store, plan.activation} == {
+        "native" if native else "torch"}
     line = plan.describe()
     assert "\n" not in line and dtype in line and plan.linear in line
 

@@ -54,7 +54,7 @@ log = logging.getLogger("baton.kernels")
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
     "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "gemv_q4.c", "decode_bf16.c",
-    "amx_bf16.c", "row_max.c", "greedy_screen.c", "prefill_attention.c")]
+    "amx_bf16.c", "prefill_attention.c")]
 _HEADERS = [_HERE / "kernels.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
@@ -227,6 +227,12 @@ def load() -> tuple[Path | None, str]:
         return _state["result"]  # type: ignore[return-value]
 
 
+def loaded() -> bool:
+    """Whether the library is loaded in this process (without loading it)."""
+    result = _state.get("result")
+    return result is not None and result[0] is not None
+
+
 def available(kind: str) -> tuple[bool, str]:
     """Whether ``kind``'s kernels can run here: the library loads and this
     CPU runs the kind. With the reason when not."""
@@ -293,16 +299,13 @@ def _register_fakes() -> None:
     def _linear_amx(x, w_tiled, out_features, bias, kind):
         return x.new_empty(x.shape[0], out_features)
 
-    @fake("baton::row_max")
-    def _row_max(x, kind):
-        return (x.new_empty(x.shape[0], dtype=torch.float32),
-                x.new_empty(x.shape[0], dtype=torch.long))
+    @fake("baton::packed_linear")
+    def _packed_linear(x, packed, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
 
-    @fake("baton::greedy_screen")
-    def _greedy_screen(x, q, scales, w_tiled, max_candidates, kind):
-        count = torch.library.get_ctx().new_dynamic_size()
-        return (x.new_empty(count, dtype=torch.long),
-                w_tiled.new_empty((count + 15) // 16, *w_tiled.shape[1:]))
+    @fake("baton::linear_tiled")
+    def _linear_tiled(x, w_tiled, packed, weight, bias, out_features, gemv_rows, amx_rows, kind):
+        return x.new_empty(x.shape[0], out_features)
 
 
 class GemvBf16:
@@ -427,12 +430,7 @@ class LinearAmx:
     """y = x @ W^T (+ bias) on AMX tiles (``torch.ops.baton.linear_amx``,
     amx_bf16.c) for bfloat16 rows, reading ``GemvBf16.tile(W)``: float32
     accumulation, the output rounded once to bf16 (as oneDNN's bf16 linear).
-    ``max_rows``: the most rows the plan gives it (a decode batch).
-    ``enabled``: whether the bf16-gemv+onednn linears holding it call it now;
-    the backend enables it for decode steps only, so that prefill rows keep
-    one summation order (oneDNN's; still not that of other row counts). The
-    bf16-amx+onednn linears call it for every batch of up to ``max_rows``
-    rows whatever ``enabled`` says."""
+    ``max_rows``: the most rows the plan gives it a call."""
 
     def __init__(self, kind: str, max_rows: int) -> None:
         ok, reason = amx_ready(kind)
@@ -440,7 +438,6 @@ class LinearAmx:
             raise RuntimeError(reason)
         self.kind = kind_id(kind)
         self.max_rows = max_rows
-        self.enabled = True
 
     def __call__(self, x: torch.Tensor, w_tiled: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

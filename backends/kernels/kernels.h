@@ -23,7 +23,6 @@
 #define baton_qkv_rope_store_f32 BATON_FN(baton_qkv_rope_store_f32)
 #define baton_qkv_rope_store_row BATON_FN(baton_qkv_rope_store_row)
 #define baton_rms_norm_bf16 BATON_FN(baton_rms_norm_bf16)
-#define baton_greedy_screen BATON_FN(baton_greedy_screen)
 #define baton_silu_mul_bf16 BATON_FN(baton_silu_mul_bf16)
 #define baton_qkv_rope_store_bf16 BATON_FN(baton_qkv_rope_store_bf16)
 #define baton_paged_decode_attention_f32 BATON_FN(baton_paged_decode_attention_f32)
@@ -47,8 +46,6 @@
 #define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
 #define baton_gemv_q4_tiles BATON_FN(baton_gemv_q4_tiles)
 #define baton_gemv_q4 BATON_FN(baton_gemv_q4)
-#define baton_row_max_f32 BATON_FN(baton_row_max_f32)
-#define baton_row_max_bf16 BATON_FN(baton_row_max_bf16)
 
 #include <math.h>
 #include <stdint.h>

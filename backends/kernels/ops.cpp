@@ -11,9 +11,12 @@
 // registered in Python, backends/kernels/__init__.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include <cstdint>
@@ -56,11 +59,7 @@ extern "C" {
                                          int64_t, int64_t, int64_t, int64_t, float, uint16_t*, \
                                          int);                                                 \
   int baton_linear_amx_bf16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
-                                   uint16_t*, int64_t, int64_t, int64_t, int);              \
-  int baton_row_max_f32_##kind(const float*, int64_t, int64_t, float*, int64_t*, int);       \
-  int baton_row_max_bf16_##kind(const uint16_t*, int64_t, int64_t, float*, int64_t*, int);  \
-  int baton_greedy_screen_##kind(const uint16_t*, const int8_t*, const float*, int64_t,      \
-                                 int64_t, int64_t, float*, float*, int);
+                                   uint16_t*, int64_t, int64_t, int64_t, int);
 BATON_DECLARE(portable)
 #ifndef BATON_PORTABLE_ONLY
 BATON_DECLARE(avx2)
@@ -104,10 +103,6 @@ decltype(&baton_amx_bf16_ready_portable) const amx_ready_fn[] =
     BATON_TABLE(baton_amx_bf16_ready);
 decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
     BATON_TABLE(baton_linear_amx_bf16);
-decltype(&baton_row_max_f32_portable) const row_max_f32[] = BATON_TABLE(baton_row_max_f32);
-decltype(&baton_row_max_bf16_portable) const row_max_bf16[] = BATON_TABLE(baton_row_max_bf16);
-decltype(&baton_greedy_screen_portable) const greedy_screen_fn[] =
-    BATON_TABLE(baton_greedy_screen);
 decltype(&baton_prefill_attention_amx_portable) const prefill_amx_fn[] =
     BATON_TABLE(baton_prefill_attention_amx);
 
@@ -404,93 +399,69 @@ at::Tensor linear_amx_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t
   return y;
 }
 
-// Each row's largest value (as float32) and the first index holding it:
-// torch.max(x, dim=-1) (a NaN wins, the first one), in one read of the row.
-std::tuple<at::Tensor, at::Tensor> row_max(const at::Tensor& x, int64_t kind) {
-  const int k = check_kind(kind);
-  check_act(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "baton: row_max takes [rows, n > 0]");
-  const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor values = at::empty({rows}, x.options().dtype(at::kFloat));
-  at::Tensor indices = at::empty({rows}, x.options().dtype(at::kLong));
-  int rc;
-  if (x.scalar_type() == at::kFloat)
-    rc = row_max_f32[k](x.data_ptr<float>(), rows, n, values.data_ptr<float>(),
-                        indices.data_ptr<int64_t>(), threads());
-  else
-    rc = row_max_bf16[k](static_cast<const uint16_t*>(x.data_ptr()), rows, n,
-                         values.data_ptr<float>(), indices.data_ptr<int64_t>(), threads());
-  check_rc(rc, "row_max");
-  return {values, indices};
+// Weights reordered once for oneDNN (torch.ops.mkldnn._reorder_linear_weight)
+// are opaque tensors that torch.compile cannot trace (no strides, no fake
+// tensor): the operators take them by a number handed out here instead, so a
+// compiled step sees an int and an opaque call. hold_weight keeps the tensor
+// alive until drop_weight (the Python owner's finaliser).
+std::mutex held_mutex;
+std::unordered_map<int64_t, at::Tensor> held_weights;
+int64_t next_held = 1;
+
+int64_t hold_weight(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(held_mutex);
+  held_weights[next_held] = weight;
+  return next_held++;
 }
 
-// The screened greedy pick (greedy_screen.c, backends/greedy_screen.py): for
-// 1-4 bf16 rows x [R, K], an int8 copy q [ceil(V / 16), K, 16] of a [V, K]
-// output projection with row scales [V], and that projection's gemv tiles
-// w_tiled [ceil(V / 16), K / 32, 16, 32]: the vocabulary rows whose logit can
-// still be some row's largest (ascending) and their tiles (GemvBf16.tile of
-// those rows). No rows (an empty result): the screen cannot decide (a
-// non-finite row, logits near bf16's overflow, more than max_candidates).
-std::tuple<at::Tensor, at::Tensor> greedy_screen(const at::Tensor& x, const at::Tensor& q,
-                                                 const at::Tensor& scales,
-                                                 const at::Tensor& w_tiled,
-                                                 int64_t max_candidates, int64_t kind) {
-  const int k = check_kind(kind);
-  check_cpu(x, "x");
-  check_cpu(q, "q");
-  check_cpu(scales, "scales");
-  check_cpu(w_tiled, "w_tiled");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
-                  x.size(0) <= 4 && x.size(1) >= 1,
-              "baton: greedy_screen takes 1-4 bfloat16 rows [R, K]");
-  const int64_t rows = x.size(0), kk = x.size(1);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) >= 1,
-              "baton: greedy_screen's scales are float32 [V]");
-  const int64_t v = scales.size(0), v16 = (v + 15) / 16, k32 = (kk + 31) / 32;
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 3 && q.size(0) == v16 &&
-                  q.size(1) == kk && q.size(2) == 16,
-              "baton: greedy_screen's q is int8 [ceil(V / 16), K, 16] for scales [V] and "
-              "rows of K");
-  TORCH_CHECK(w_tiled.scalar_type() == at::kBFloat16 && w_tiled.dim() == 4 &&
-                  w_tiled.size(0) == v16 && w_tiled.size(1) == k32 &&
-                  w_tiled.size(2) == 16 && w_tiled.size(3) == 32,
-              "baton: greedy_screen's w_tiled is the projection's tiles [ceil(V / 16), "
-              "ceil(K / 32), 16, 32]");
-  at::Tensor hi = at::empty({rows, v}, x.options().dtype(at::kFloat));
-  float lo_max[4];
-  const int rc = greedy_screen_fn[k](static_cast<const uint16_t*>(x.data_ptr()),
-                                     q.data_ptr<int8_t>(), scales.data_ptr<float>(), rows, v,
-                                     kk, hi.data_ptr<float>(), lo_max, threads());
-  check_rc(rc, "greedy_screen");
-  auto none = std::make_tuple(at::empty({0}, x.options().dtype(at::kLong)),
-                              at::empty({0, k32, 16, 32}, w_tiled.options()));
-  for (int64_t r = 0; r < rows; r++)
-    if (!std::isfinite(lo_max[r])) return none;
-  std::vector<int64_t> picked;
-  const float* h = hi.data_ptr<float>();
-  for (int64_t i = 0; i < v; i++) {
-    bool any = false;
-    for (int64_t r = 0; r < rows; r++) any |= h[r * v + i] >= lo_max[r];
-    if (any) {
-      if (static_cast<int64_t>(picked.size()) >= max_candidates) return none;
-      picked.push_back(i);
-    }
-  }
-  const int64_t c = static_cast<int64_t>(picked.size());
-  at::Tensor candidates = at::empty({c}, x.options().dtype(at::kLong));
-  std::copy(picked.begin(), picked.end(), candidates.data_ptr<int64_t>());
-  // Feature f of block b, column pair p of column block j: the 32-bit word
-  // [b][j][p][f] of the tiles (a feature's two values side by side).
-  at::Tensor sub = at::zeros({(c + 15) / 16, k32, 16, 32}, w_tiled.options());
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(w_tiled.data_ptr());
-  uint32_t* dst = reinterpret_cast<uint32_t*>(sub.data_ptr());
-  for (int64_t i = 0; i < c; i++) {
-    const int64_t b = picked[i] / 16, f = picked[i] % 16, ob = i / 16, of = i % 16;
-    for (int64_t j = 0; j < k32; j++)
-      for (int64_t p = 0; p < 16; p++)
-        dst[((ob * k32 + j) * 16 + p) * 16 + of] = src[((b * k32 + j) * 16 + p) * 16 + f];
-  }
-  return {candidates, sub};
+void drop_weight(int64_t handle) {
+  std::lock_guard<std::mutex> lock(held_mutex);
+  held_weights.erase(handle);
+}
+
+at::Tensor held_weight(int64_t handle) {
+  std::lock_guard<std::mutex> lock(held_mutex);
+  auto found = held_weights.find(handle);
+  TORCH_CHECK(found != held_weights.end(), "baton: no held weight ", handle);
+  return found->second;
+}
+
+// oneDNN's linear on a held weight (the handle hold_weight gave it).
+at::Tensor packed_linear(const at::Tensor& x, int64_t packed,
+                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, c10::string_view,
+                                         c10::List<std::optional<at::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  at::Tensor y = op.call(x, held_weight(packed), bias, "none",
+                         c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  TORCH_CHECK(y.size(-1) == out_features, "baton: held weight ", packed, " has ", y.size(-1),
+              " outputs, not ", out_features);
+  return y;
+}
+
+// A linear layer over the gemv's tiled bf16 weights, the kernel chosen by
+// the number of rows in C++ (so a compiled step has no branch on its token
+// count): none -> empty; up to gemv_rows -> the gemv; up to amx_rows -> the
+// AMX tile linear; more -> oneDNN on its packed copy (packed) or, without
+// one, at::linear on the plain weight (a quantized model's tied output
+// projection). x float32 or bfloat16, y in x's dtype.
+at::Tensor linear_tiled(const at::Tensor& x, const at::Tensor& w_tiled,
+                        int64_t packed, const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, int64_t out_features,
+                        int64_t gemv_rows, int64_t amx_rows, int64_t kind) {
+  TORCH_CHECK(x.dim() == 2, "baton: linear_tiled takes x [M, K]");
+  const int64_t m = x.size(0);
+  if (m == 0) return at::empty({0, out_features}, x.options());
+  const at::Tensor xc = x.contiguous();
+  if (m <= gemv_rows) return gemv_bf16_op(xc, w_tiled, out_features, bias, kind);
+  if (m <= amx_rows) return linear_amx_op(xc, w_tiled, out_features, bias, kind);
+  if (packed) return packed_linear(xc, packed, bias, out_features);
+  TORCH_CHECK(weight.has_value(), "baton: linear_tiled needs packed or weight for ", m,
+              " rows");
+  return at::linear(xc, *weight, bias);
 }
 
 // Causal attention of the step's prefill chunks on AMX tiles
@@ -564,7 +535,7 @@ TORCH_LIBRARY(baton, m) {
         "Tensor? k_norm, float eps, Tensor slot_mapping, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, int kind) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, int max_seq_len, int block_size, float scale, "
+        "Tensor block_tables, Tensor seq_lens, SymInt max_seq_len, int block_size, float scale, "
         "int kind) -> Tensor");
   m.def("paged_decode_attention_lse(Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, int max_seq_len, int block_size, float scale, "
@@ -575,9 +546,11 @@ TORCH_LIBRARY(baton, m) {
         "-> Tensor");
   m.def("linear_amx(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
         "-> Tensor");
-  m.def("row_max(Tensor x, int kind) -> (Tensor values, Tensor indices)");
-  m.def("greedy_screen(Tensor x, Tensor q, Tensor scales, Tensor w_tiled, "
-        "int max_candidates, int kind) -> (Tensor candidates, Tensor w_sub)");
+  m.def("hold_weight(Tensor weight) -> int", hold_weight);
+  m.def("drop_weight(int handle) -> ()", drop_weight);
+  m.def("packed_linear(Tensor x, int packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_tiled(Tensor x, Tensor w_tiled, int packed, Tensor? weight, Tensor? bias, "
+        "int out_features, int gemv_rows, int amx_rows, int kind) -> Tensor");
   m.def("kind_runs(int kind) -> bool", kind_runs);
   m.def("amx_ready(int kind) -> bool", amx_ready);
 }
@@ -591,6 +564,6 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("paged_prefill_attention", paged_prefill_attention);
   m.impl("gemv_bf16", gemv_bf16_op);
   m.impl("linear_amx", linear_amx_op);
-  m.impl("row_max", row_max);
-  m.impl("greedy_screen", greedy_screen);
+  m.impl("packed_linear", packed_linear);
+  m.impl("linear_tiled", linear_tiled);
 }

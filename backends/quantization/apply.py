@@ -88,9 +88,11 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes held by the model's parameters and buffers (tied tensors once)."""
+    """Bytes held by the model's parameters and buffers (tied tensors once),
+    and by oneDNN-packed weights (backends.linear.PackedWeight)."""
     seen: dict[int, int] = {}
-    opaque = 0
+    opaque = sum(m.packed.nbytes for m in model.modules()
+                 if hasattr(getattr(m, "packed", None), "nbytes"))
     for t in chain(model.parameters(), model.buffers()):
         if t.is_meta:
             continue

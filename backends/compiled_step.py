@@ -1,0 +1,139 @@
+"""The model's forward for token-row steps, compiled with torch.compile.
+
+Decode steps are structurally identical from one step to the next: every
+row is a few tokens, each attending to its own context through the KV
+blocks (``backends.attention.TokenRowsMetadata``). That step is traced once
+by Dynamo from the one model definition (backends/models/decoder.py) and
+compiled by Inductor: its elementwise work (norms, rotary, residuals,
+activation) becomes generated C++ loops, and the native operators it calls
+(the paged decode attention, the bf16 linears: ``torch.ops.baton``) stay
+opaque calls. Nothing in the traced region is a Python int of the step: the
+token count and the block tables' width are dynamic dimensions, so two
+graphs serve every step (one token, which Dynamo specialises, and more).
+
+Compiling costs tens of seconds per graph on two cores; Inductor keeps what
+it built under ``compile_cache_dir()`` (``$BATON_COMPILE_CACHE``, default
+``~/.cache/baton/inductor``), keyed by the graph, the torch version and the
+CPU, so a later start traces again (seconds) but compiles nothing.
+``warm_up`` builds both graphs before the server reports ready, with a
+progress line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from backends.attention import TokenRowsMetadata
+from backends.progress import heartbeat
+
+log = logging.getLogger("baton.backend")
+
+# A step goes through the compiled graph when no row has more tokens than
+# this: decodes, a speculative verification row (1 + its proposals), the
+# last few tokens of a prompt. Longer rows (prefill chunks) run eagerly:
+# they are bound by arithmetic, where the forward's Python costs nothing.
+TOKEN_ROWS_LIMIT = 16
+
+
+def compile_cache_dir() -> Path:
+    env = os.environ.get("BATON_COMPILE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "baton" / "inductor"
+
+
+def use_compile_cache(path: Path | None = None) -> Path:
+    """Point Inductor's on-disk caches at ``path`` (default
+    ``compile_cache_dir()``), unless TORCHINDUCTOR_CACHE_DIR names one."""
+    path = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or path or compile_cache_dir())
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def _token_rows_forward(model: torch.nn.Module,
+                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                block_size: int) -> torch.Tensor:
+        meta = TokenRowsMetadata(slot_mapping, block_tables, seq_lens, block_size)
+        hidden = model(input_ids, positions, kv_caches, meta)
+        return model.compute_logits(hidden, float32=False)
+    return forward
+
+
+_compiled_steps = itertools.count()
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs
+    per code object, guarded on what the frame reads; the graphs of one
+    model's step then never meet another model's (a draft model beside its
+    target, several engines in one process), so the guards on the model's
+    modules can be skipped (they cost ~1 ms a step) without one model's graph
+    running another's weights."""
+    code = fn.__code__.replace(co_name=f"baton_step_{next(_compiled_steps)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+
+
+class CompiledStep:
+    """``logits = step(input_ids, positions, token_rows)`` for a token-row
+    step: the model's forward over every token and the output projection of
+    every row, in the activation dtype, [T, vocab]."""
+
+    def __init__(self, model: torch.nn.Module,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.cache_dir = use_compile_cache()
+        forward = _own_code(_token_rows_forward(model, kv_caches))
+        options = {
+            # The model's modules never change after loading: their tensors'
+            # guards would cost ~1 ms a step for nothing.
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "size_asserts": False, "alignment_asserts": False,
+            "cpp_wrapper": os.environ.get("BATON_CPP_WRAPPER", "0") == "1",
+        }
+        self._fn = torch.compile(forward, fullgraph=True, dynamic=False, options=options)
+        self.graphs_built: set[str] = set()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: TokenRowsMetadata) -> torch.Tensor:
+        many = input_ids.shape[0] > 1
+        if many:  # one graph for every token count above one
+            for t in (input_ids, positions, meta.slot_mapping, meta.block_tables,
+                      meta.seq_lens):
+                torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(meta.block_tables, 1)
+        self.graphs_built.add("many" if many else "one")
+        return self._fn(input_ids, positions, meta.slot_mapping, meta.block_tables,
+                        meta.seq_lens, meta.block_size)
+
+    def warm_up(self, block_size: int, device: torch.device, progress: bool = True) -> float:
+        """Build (or load from the cache) the one-token and many-token
+        graphs by running each once on a dummy step that writes block 0's
+        first slots (the pool is idle: nothing reads them before a request
+        writes its own). Returns the seconds it took."""
+        start = time.perf_counter()
+        with heartbeat(f"compiling the decode step (cache {self.cache_dir})",
+                       enabled=progress):
+            for t in (1, 2):
+                ids = torch.zeros(t, dtype=torch.long, device=device)
+                meta = TokenRowsMetadata(
+                    torch.arange(t, device=device), torch.zeros(t, 2, dtype=torch.long,
+                                                                 device=device),
+                    torch.arange(1, t + 1, device=device), block_size)
+                with torch.inference_mode():
+                    self(ids, torch.arange(t, device=device), meta)
+        seconds = time.perf_counter() - start
+        log.info("compiled the decode step in %.1f s", seconds)
+        return seconds

@@ -1,0 +1,130 @@
+"""The compiled token-row step (backends/compiled_step.py): the model's own
+forward under torch.compile for decode steps and other steps of short rows,
+giving the eager forward's tokens and logprobs, agreeing with transformers,
+planned only where it can run, and cached on disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.execution import Availability, CpuFeatures, ExecutionOptions, make_plan
+from backends.interface import SamplingParams
+from tests.engine_helpers import make_engine, run_all
+from tests.test_engine_agreement import _prompts, _reference, assert_matches_reference
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_NEW, ignore_eos=True,
+                         seed=7, logprobs=2)
+
+
+@pytest.fixture(autouse=True)
+def compile_cache(tmp_path_factory, monkeypatch):
+    """One compile cache for the module (later engines load what the first
+    built), away from the user's."""
+    path = tmp_path_factory.getbasetemp() / "inductor-cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
+    return path
+
+
+def _engine(path, compiled: bool, **kwargs):
+    core = make_engine(path, enforce_eager=not compiled, **kwargs)
+    assert core.backend.plan.step == ("compiled" if compiled else "eager"), \
+        core.backend.plan.describe()
+    return core
+
+
+def _same(a, b, atol: float) -> None:
+    for rid in a:
+        assert a[rid].token_ids == b[rid].token_ids, rid
+        assert len(a[rid].logprobs) == len(b[rid].logprobs)
+        for x, y in zip(a[rid].logprobs, b[rid].logprobs):
+            assert x.token_id == y.token_id
+            assert abs(x.logprob - y.logprob) <= atol, (rid, x, y)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_compiled_step_gives_the_eager_tokens_and_logprobs(request, arch, dtype):
+    """Greedy and seeded sampling, prompts short enough to be token rows
+    themselves (3 tokens) and long ones (prefilled eagerly), batched: the
+    compiled graphs run (one token and many) and change nothing."""
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    eager = _engine(path, False, dtype=dtype)
+    compiled = _engine(path, True, dtype=dtype)
+    prompts = _prompts(eager.vocab_size, seed=3, lengths=(3, 17, 40, 90))
+    params = {rid: (GREEDY if i % 2 else SAMPLED) for i, rid in enumerate(prompts)}
+    one = {"solo": prompts[next(iter(prompts))]}
+    # bf16: the eager decode of a few rows is the whole-step native decode,
+    # which rounds as the layer path does but sums in its own order
+    atol = 1e-5 if dtype == "float32" else 0.05
+    _same(run_all(compiled, prompts, params), run_all(eager, prompts, params), atol)
+    _same(run_all(compiled, one, GREEDY), run_all(eager, one, GREEDY), atol)
+    assert compiled.backend._compiled.graphs_built == {"one", "many"}
+
+
+@pytest.mark.parametrize("scenario", ["chunked_prefill", "preemption"])
+def test_compiled_step_matches_transformers(tiny_llama_dir, scenario):
+    """float32 greedy tokens equal transformers', logprobs within 1e-4,
+    through chunked prefill (chunks of 7 tokens: token rows, compiled) and
+    preemption."""
+    kwargs = (dict(max_num_batched_tokens=7) if scenario == "chunked_prefill"
+              else dict(num_kv_blocks=26, block_size=4, max_model_len=64))
+    core = _engine(tiny_llama_dir, True, **kwargs)
+    lengths = (3, 17, 40, 90) if scenario == "chunked_prefill" else (9, 17, 18, 20, 24)
+    prompts = _prompts(core.vocab_size, seed=5, lengths=lengths)
+    results = run_all(core, prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                    ignore_eos=True, logprobs=5))
+    if scenario == "preemption":
+        assert core.scheduler.num_preemptions_total > 0
+    assert_matches_reference(results, _reference(tiny_llama_dir, prompts), scenario)
+
+
+def test_compile_cache_is_written_and_reused(tiny_llama_dir, compile_cache):
+    """The first engine fills the on-disk cache; a second engine of the same
+    model finds its graphs there."""
+    _engine(tiny_llama_dir, True)
+    files = {p for p in compile_cache.rglob("*") if p.is_file()}
+    assert files, "nothing was written to the compile cache"
+    _engine(tiny_llama_dir, True, dtype="float32")
+    assert {p for p in compile_cache.rglob("*") if p.is_file()} >= files
+
+
+AMX = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True, amx_bf16=True)
+ALL = Availability(native_kernels=frozenset({"avx512_bf16"}),
+                   onednn_dtypes=frozenset({"float32", "bfloat16"}), amx_tiles=True,
+                   cpp_compiler=True)
+
+
+def test_plan_compiles_only_where_it_can(new_arch_dirs):
+    """Compiled where asked, with native kernels and a C++ compiler; eager
+    with the reason otherwise (no compiler, --enforce-eager, tensor
+    parallelism, architectures whose layers the token-row step lacks)."""
+    import json
+    from backends.loader.hf import parse_hf_config
+    on = ExecutionOptions(compile=True)
+    assert make_plan("cpu", "bfloat16", "none", AMX, ALL, on).step == "compiled"
+    assert "decode steps compiled" in make_plan("cpu", "bfloat16", "none", AMX, ALL,
+                                                on).describe()
+    assert make_plan("cpu", "bfloat16", "none", AMX, ALL).step == "eager"
+    no_cxx = make_plan("cpu", "bfloat16", "none", AMX,
+                       Availability(native_kernels=ALL.native_kernels,
+                                    onednn_dtypes=ALL.onednn_dtypes), on)
+    assert no_cxx.step == "eager" and "no C++ compiler" in no_cxx.describe()
+    tp = make_plan("cpu", "bfloat16", "none", AMX, ALL,
+                   ExecutionOptions(compile=True, tensor_parallel_size=2))
+    assert tp.step == "eager"
+    for arch, what in (("gemma2", "soft-capped"), ("mistral", "sliding")):
+        raw = json.loads((new_arch_dirs(arch) / "config.json").read_text())
+        plan = make_plan("cpu", "float32", "none", AMX, ALL, on, parse_hf_config(raw))
+        assert plan.step == "eager" and what in plan.describe(), plan.describe()
+
+
+def test_enforce_eager_flag_and_variable(monkeypatch):
+    from service.cli import build_parser, engine_args_from
+    monkeypatch.delenv("BATON_ENFORCE_EAGER")
+    assert not engine_args_from(build_parser().parse_args(["serve"])).enforce_eager
+    assert engine_args_from(build_parser().parse_args(["serve", "--enforce-eager"])).enforce_eager
+    monkeypatch.setenv("BATON_ENFORCE_EAGER", "1")
+    assert engine_args_from(build_parser().parse_args(["serve"])).enforce_eager
