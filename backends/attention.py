@@ -85,9 +85,6 @@ class AttentionMetadata:
     rest_blocks: torch.Tensor | None = None
     rest_lens: torch.Tensor | None = None
     rest_max_len: int = 0
-    # The prefill chunks as a prefill kernel takes them (its own
-    # description, made by its first layer's call and kept for the others).
-    prefill_table: object = None
     # The step as sliding-window layers see it (masks always present, no
     # decode_lens: the native decode kernel attends whole contexts).
     sliding: AttentionMetadata | None = None
@@ -256,17 +253,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     decode_kernel: Callable[..., torch.Tensor] | None = None,
                     softcap: float | None = None,
                     decode_lse_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-                    | None = None,
-                    prefill_kernel: Callable[..., torch.Tensor | None] | None = None
-                    ) -> torch.Tensor:
+                    | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]. Decodes go to
     ``decode_kernel`` (reading the pool in place) when one is given, else to
     gather + SDPA; with ``decode_lse_kernel`` and shared prefixes in
-    ``meta``, to ``cascade_decode``. Prefill chunks go to ``prefill_kernel``
-    (all of them in one call: ``prefill_kernel(q[num_decode:], k_cache,
-    v_cache, meta, scale)``, None where it does not take them) when one is
-    given, else to SDPA one chunk at a time. With ``softcap`` (no kernels
-    then) both go to ``softcapped_attention`` instead."""
+    ``meta``, to ``cascade_decode``. Prefill chunks go to SDPA one chunk at
+    a time. With ``softcap`` (no kernels then) both go to
+    ``softcapped_attention`` instead. Token-row steps
+    (``TokenRowsMetadata``) go to ``token_rows_attention``."""
     if isinstance(meta, TokenRowsMetadata):
         if softcap is not None:
             raise ValueError("token-row steps do not soft-cap scores")
@@ -275,8 +269,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if softcap is not None:
         if decode_kernel is not None:
             raise ValueError("the decode kernel does not soft-cap scores")
-        if prefill_kernel is not None:
-            raise ValueError("the prefill kernel does not soft-cap scores")
         sdpa = partial(softcapped_attention, softcap=softcap)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -303,13 +295,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[:d] = sdpa(
             q[:d].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
             enable_gqa=True).squeeze(2)
-    if meta.prefills and prefill_kernel is not None:
-        prefilled = prefill_kernel(q[d:], k_cache, v_cache, meta, scale)
-        if prefilled is not None:
-            if not d:
-                return prefilled.reshape(num_tokens, num_heads * head_dim)
-            out[d:] = prefilled
-            return out.reshape(num_tokens, num_heads * head_dim)
     for seg in meta.prefills:
         qs = q[seg.token_start:seg.token_end].transpose(0, 1).unsqueeze(0)
         k = _gather(k_blocks, seg.blocks).flatten(0, 1).transpose(0, 1).unsqueeze(0).to(q.dtype)

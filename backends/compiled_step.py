@@ -1,8 +1,10 @@
 """The model's forward for token-row steps, compiled with torch.compile.
 
-Decode steps are structurally identical from one step to the next: every
-row is a few tokens, each attending to its own context through the KV
-blocks (``backends.attention.TokenRowsMetadata``). That step is traced once
+Steps are structurally identical from one to the next: every token attends
+to its own context through the KV blocks, as a decode does
+(``backends.attention.TokenRowsMetadata``), whether it is a decode, one of a
+speculative verification row's tokens or of a prefill chunk's. That step is
+traced once
 by Dynamo from the one model definition (backends/models/decoder.py) and
 compiled by Inductor: its elementwise work (norms, rotary, residuals,
 activation) becomes generated C++ loops, and the native operators it calls
@@ -35,13 +37,6 @@ from backends.progress import heartbeat
 
 log = logging.getLogger("baton.backend")
 
-# A step goes through the compiled graph when no row has more tokens than
-# this: decodes, a speculative verification row (1 + its proposals), the
-# last few tokens of a prompt. Longer rows (prefill chunks) run eagerly:
-# they are bound by arithmetic, where the forward's Python costs nothing.
-TOKEN_ROWS_LIMIT = 16
-
-
 def compile_cache_dir() -> Path:
     env = os.environ.get("BATON_COMPILE_CACHE")
     if env:
@@ -63,9 +58,9 @@ def _token_rows_forward(model: torch.nn.Module,
                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                block_size: int) -> torch.Tensor:
+                logits_index: torch.Tensor, block_size: int) -> torch.Tensor:
         meta = TokenRowsMetadata(slot_mapping, block_tables, seq_lens, block_size)
-        hidden = model(input_ids, positions, kv_caches, meta)
+        hidden = model(input_ids, positions, kv_caches, meta, logits_index)
         return model.compute_logits(hidden, float32=False)
     return forward
 
@@ -86,9 +81,11 @@ def _own_code(fn):
 
 
 class CompiledStep:
-    """``logits = step(input_ids, positions, token_rows)`` for a token-row
-    step: the model's forward over every token and the output projection of
-    every row, in the activation dtype, [T, vocab]."""
+    """``logits = step(input_ids, positions, token_rows, logits_index)``: the
+    model's forward over every token of the step (each attending as
+    ``token_rows`` says) and the output projection of the rows
+    ``logits_index`` names, in the activation dtype, [len(logits_index),
+    vocab]."""
 
     def __init__(self, model: torch.nn.Module,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -107,16 +104,25 @@ class CompiledStep:
         self.graphs_built: set[str] = set()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: TokenRowsMetadata) -> torch.Tensor:
+                 meta: TokenRowsMetadata, logits_index: torch.Tensor) -> torch.Tensor:
         many = input_ids.shape[0] > 1
-        if many:  # one graph for every token count above one
+        picked = logits_index.shape[0]
+        if many:
+            # One graph for every token count above one: the rows read are
+            # at least two as well (a copy of the last one where fewer are;
+            # Dynamo would otherwise give 0 and 1 graphs of their own).
+            if picked < 2:
+                last = input_ids.shape[0] - 1
+                logits_index = torch.cat([logits_index, logits_index.new_full(
+                    (2 - picked,), last)])
             for t in (input_ids, positions, meta.slot_mapping, meta.block_tables,
-                      meta.seq_lens):
+                      meta.seq_lens, logits_index):
                 torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(meta.block_tables, 1)
         self.graphs_built.add("many" if many else "one")
-        return self._fn(input_ids, positions, meta.slot_mapping, meta.block_tables,
-                        meta.seq_lens, meta.block_size)
+        logits = self._fn(input_ids, positions, meta.slot_mapping, meta.block_tables,
+                          meta.seq_lens, logits_index, meta.block_size)
+        return logits[:picked] if picked < logits.shape[0] else logits
 
     def warm_up(self, block_size: int, device: torch.device, progress: bool = True) -> float:
         """Build (or load from the cache) the one-token and many-token
@@ -124,7 +130,7 @@ class CompiledStep:
         first slots (the pool is idle: nothing reads them before a request
         writes its own). Returns the seconds it took."""
         start = time.perf_counter()
-        with heartbeat(f"compiling the decode step (cache {self.cache_dir})",
+        with heartbeat(f"compiling the model's step (cache {self.cache_dir})",
                        enabled=progress):
             for t in (1, 2):
                 ids = torch.zeros(t, dtype=torch.long, device=device)
@@ -133,7 +139,8 @@ class CompiledStep:
                                                                  device=device),
                     torch.arange(1, t + 1, device=device), block_size)
                 with torch.inference_mode():
-                    self(ids, torch.arange(t, device=device), meta)
+                    self(ids, torch.arange(t, device=device), meta,
+                         torch.arange(t, device=device))
         seconds = time.perf_counter() - start
-        log.info("compiled the decode step in %.1f s", seconds)
+        log.info("compiled the model's step in %.1f s", seconds)
         return seconds

@@ -194,10 +194,6 @@ class ExecutionPlan:
     norm: str                        # native | torch
     rope_kv_store: str               # native | torch
     decode_attention: str            # native | torch-sdpa
-    # Prefill chunks' causal attention: "native-amx" (baton::paged_prefill_attention,
-    # AMX tiles reading the bf16 pool in place, where the decode scores run
-    # on AMX too) or "torch-sdpa" (the blocks gathered, torch's SDPA).
-    prefill_attention: str = "torch-sdpa"
     # Decode rows that share a cached prefix (backends/attention.py): "cascade"
     # (the prefix once for all of them through SDPA, merged with each row's
     # rest from the native kernel) or "none".
@@ -248,7 +244,6 @@ class ExecutionPlan:
                  f"kernels {kernels}", f"norm {self.norm}", f"rope+kv {self.rope_kv_store}",
                  f"decode attention {self.decode_attention}"
                  + (f" ({self.attention_scores} scores)" if self.attention_scores else ""),
-                 f"prefill attention {self.prefill_attention}",
                  f"{self.mlp_activation} {self.activation}"]
         if self.sliding_attention != "none":
             parts.append(f"sliding-window attention {self.sliding_attention}")
@@ -268,12 +263,6 @@ class ExecutionPlan:
             formats = f" ({'+'.join(self.weight_formats)})" if self.weight_formats else ""
             parts.insert(1, f"quantization {self.quantization}{formats}")
         return "; ".join(parts + list(self.notes))
-
-
-def amx_prefill_head_dim(head_dim: int) -> bool:
-    """Whether the AMX prefill attention kernel has tiles for ``head_dim``
-    (backends/kernels/prefill_attention.c: 32 to 128 in steps of 32)."""
-    return head_dim % 32 == 0 and head_dim <= 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,10 +314,6 @@ class _ModelNeeds:
                              "attends whole contexts)")
             if self.softcap:
                 notes.append("soft-capped layers on torch-eager (no native soft-capping)")
-        if plan.prefill_attention == "native-amx" and not amx_prefill_head_dim(self.head_dim):
-            changes["prefill_attention"] = "torch-sdpa"
-            notes.append(f"prefill attention on torch-sdpa (the AMX kernel takes head_dim 32-128 "
-                         f"in steps of 32, not {self.head_dim})")
         if plan.whole_step_decode and not self.plain:
             changes["whole_step_decode"] = 0
             notes.append("no whole-step decode (it runs plain Llama/Qwen layers only)")
@@ -478,5 +463,4 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,
         attention_scores="amx" if amx_attention else "",
-        prefill_attention="native-amx" if amx_attention else "torch-sdpa",
         step=step, notes=tuple(notes))

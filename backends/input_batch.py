@@ -10,9 +10,9 @@ a decode step costs a copy of at most one new block id per request.
 
 ``fill`` lays a step's rows out token by token: the flat ``input_ids``,
 ``positions`` and ``slot_mapping`` every step reads, and, for steps whose
-every token attends as a decode does (``TokenRowsMetadata``: decode rows, a
-speculative verification row's few tokens), each token's block table and
-context length. Those tensors are views of the persistent buffers, valid
+every token attends as a decode does (``TokenRowsMetadata``: decodes,
+speculative verification rows, prefill chunks), each token's block table
+and context length. Those tensors are views of the persistent buffers, valid
 until the next ``fill``.
 
 Host arithmetic is numpy on views of the CPU buffers; on CUDA the filled
@@ -63,7 +63,7 @@ class InputBatch:
         self._pos = torch.zeros(n, dtype=torch.long)
         self._slots = torch.zeros(n, dtype=torch.long)
         self._lens = torch.zeros(n, dtype=torch.long)
-        self._token_tables = torch.zeros(n * self.max_blocks, dtype=torch.long)
+        self._token_tables = torch.zeros(n * 8, dtype=torch.long)
         self._req = np.zeros(n, dtype=np.int64)
 
     # ------------------------------------------------------------- requests
@@ -102,11 +102,11 @@ class InputBatch:
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
     # ------------------------------------------------------------------ step
-    def fill(self, rows, token_rows_limit: int = 0) -> FilledStep:
+    def fill(self, rows, token_rows: bool = False) -> FilledStep:
         """Lay out ``rows`` (ScheduledRequests, or tensor-parallel
         ForwardRows: anything with token_ids, start_pos and block_table) in
-        order. ``token_rows_limit``: build the token-rows metadata when no row
-        has more tokens than this (0: never)."""
+        order; with ``token_rows``, each token's block table and context
+        length too (TokenRowsMetadata)."""
         num_tokens = sum(len(r.token_ids) for r in rows)
         if num_tokens > self._tokens:
             self._alloc_tokens(max(num_tokens, 2 * self._tokens))
@@ -114,11 +114,9 @@ class InputBatch:
         pos = self._pos.numpy()
         req = self._req
         t = 0
-        longest = 0
         transient = []  # rows without a request id (a tensor-parallel rank's): this step only
         for r in rows:
             n = len(r.token_ids)
-            longest = max(longest, n)
             request_id = getattr(r, "request_id", None)
             if request_id is None:
                 request_id = ("transient", len(transient))
@@ -133,18 +131,20 @@ class InputBatch:
         p = pos[:t]
         slots = self._slots.numpy()[:t]
         np.add(self._tables[req[:t], p // bs] * bs, p % bs, out=slots)
-        token_rows = None
-        if t and token_rows_limit and longest <= token_rows_limit:
+        if t and token_rows:
             lens = self._lens.numpy()[:t]
             np.add(p, 1, out=lens)
-            width = int(-(-lens.max() // bs))
+            # At least two columns: a compiled step's table width is a
+            # dynamic dimension, which Dynamo would specialise at 1.
+            width = max(2, int(-(-lens.max() // bs)))
+            if t * width > self._token_tables.numel():
+                self._token_tables = torch.zeros(2 * t * width, dtype=torch.long)
             tables = self._token_tables[:t * width].view(t, width)
             np.take(self._tables[:, :width], req[:t], axis=0, out=tables.numpy())
-            token_rows = TokenRowsMetadata(self._to_device(self._slots[:t]),
-                                           self._to_device(tables),
-                                           self._to_device(self._lens[:t]), bs)
+            meta = TokenRowsMetadata(self._to_device(self._slots[:t]), self._to_device(tables),
+                                     self._to_device(self._lens[:t]), bs)
             return FilledStep(self._to_device(self._ids[:t]), self._to_device(self._pos[:t]),
-                              token_rows.slot_mapping, token_rows)
+                              meta.slot_mapping, meta)
         return FilledStep(self._to_device(self._ids[:t]), self._to_device(self._pos[:t]),
                           self._to_device(self._slots[:t]), None)
 

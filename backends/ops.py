@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from backends.attention import paged_attention, write_kv
-from backends.execution import amx_prefill_head_dim
 from backends.rope import apply_rope
 
 
@@ -128,7 +127,7 @@ def build_ops(plan) -> ModelOps:
     native)."""
     if plan.kernels is None:
         return TORCH_OPS
-    native = native_cpu_ops(plan.kernels, plan.prefill_attention == "native-amx")
+    native = native_cpu_ops(plan.kernels)
     pick = lambda choice, fast, slow: fast if choice == "native" else slow  # noqa: E731
     return ModelOps(
         add_rms_norm=pick(plan.norm, native.add_rms_norm, add_rms_norm),
@@ -140,11 +139,11 @@ def build_ops(plan) -> ModelOps:
 
 
 # ----------------------------------------------------------------- native
-def native_cpu_ops(kind: str, prefill_amx: bool = False) -> ModelOps:
+def native_cpu_ops(kind: str) -> ModelOps:
     """The C kernels of CPU kind ``kind`` as torch operators
     (``torch.ops.baton``, backends/kernels): float32 or bfloat16 activations,
-    a float32 or bfloat16 KV cache. Prefill attention on AMX tiles with
-    ``prefill_amx`` (bf16 query and cache), else on torch's SDPA."""
+    a float32 or bfloat16 KV cache. Prefill chunks' attention is torch's
+    SDPA."""
     from backends import kernels
     ok, reason = kernels.available(kind)
     if not ok:
@@ -172,27 +171,6 @@ def native_cpu_ops(kind: str, prefill_amx: bool = False) -> ModelOps:
     def silu(gate_up):
         return baton.silu_mul(gate_up, k)
 
-    def prefill(q, k_cache, v_cache, meta, scale):
-        # All of the step's chunks in one call (their rows follow the decodes
-        # in order); None where the kernel does not take them (a float32
-        # cache, or a head size or block size it has no tiles for).
-        if (q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16
-                or not amx_prefill_head_dim(q.shape[2]) or meta.block_size % 16):
-            return None
-        if meta.prefill_table is None:
-            first = meta.prefills[0].token_start
-            segs = torch.tensor([[s.token_start - first, s.token_end - first, s.start_pos]
-                                 for s in meta.prefills], dtype=torch.long)
-            width = max(len(s.blocks) for s in meta.prefills)
-            tables = torch.zeros(len(meta.prefills), width, dtype=torch.long)
-            for i, s in enumerate(meta.prefills):
-                tables[i, :len(s.blocks)] = s.blocks
-            meta.prefill_table = (segs, tables)
-        segs, tables = meta.prefill_table
-        return baton.paged_prefill_attention(q.contiguous(), k_cache, v_cache, segs, tables,
-                                             meta.block_size, scale, k)
-
-    attention = partial(paged_attention, decode_kernel=decode, decode_lse_kernel=decode_lse,
-                        prefill_kernel=prefill if prefill_amx else None)
+    attention = partial(paged_attention, decode_kernel=decode, decode_lse_kernel=decode_lse)
     return ModelOps(norm, rope_store, attention, silu,
                     f"native-{kind}", gelu_tanh_mul, paged_attention, paged_attention)

@@ -179,11 +179,18 @@ class TorchBackend:
         self._batch = InputBatch(
             max_tokens=4096, max_blocks=-(-positions // block_size) + 1,
             block_size=block_size, device=self.device)
+        # Every token attends as a decode does, through the native decode
+        # kernel reading the pool in place (decodes, verification rows and
+        # prefill chunks alike: one attention for every row, whatever the
+        # step holds), where the plan has that kernel for every layer; the
+        # step's forward is then compiled where the plan says so.
+        self._token_rows = (plan.decode_attention == "native" and parallel is None
+                            and plan.sliding_attention == "none"
+                            and plan.softcap_attention == "none")
         self._compiled = None
-        if plan.step == "compiled":
-            from backends.compiled_step import TOKEN_ROWS_LIMIT, CompiledStep
+        if plan.step == "compiled" and self._token_rows:
+            from backends.compiled_step import CompiledStep
             self._compiled = CompiledStep(self.model, self.kv_caches)
-            self._token_rows_limit = TOKEN_ROWS_LIMIT
 
         # A fixed thread count, or (None, on CPU) one that follows what other
         # processes leave free. A tensor-parallel rank keeps the cores and
@@ -374,10 +381,9 @@ class TorchBackend:
         if self.parallel is not None:  # the other ranks prepare while this one does
             self.parallel.broadcast_step(rows, [(lo, lo + last - first)
                                                 for _, first, last, lo in spans])
-        compiled = self._compiled is not None and not spans
-        filled = self._batch.fill(rows, self._token_rows_limit if compiled else 0)
-        compiled = filled.token_rows is not None and not self._cascade_pays(rows)
-        if compiled:
+        token_rows = self._token_rows and not spans and not self._cascade_pays(rows)
+        filled = self._batch.fill(rows, token_rows)
+        if token_rows:
             sample_rows, logits_index = self._sample_rows(rows)
         else:
             input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows, filled)
@@ -391,11 +397,23 @@ class TorchBackend:
 
         plain = not constrained and not waiting and plain_greedy(batch)
         prompt_logprobs = {}
-        if compiled:
-            # Logits of every token row, in the activation dtype.
-            logits = self._compiled(filled.input_ids, filled.positions, filled.token_rows)
-            if logits_index.shape[0] != logits.shape[0]:
-                logits = logits.index_select(0, logits_index)
+        if token_rows:
+            # The sampled rows' logits, in the activation dtype.
+            meta = filled.token_rows
+            whole = self._whole_step
+            if self._compiled is not None:
+                logits = self._compiled(filled.input_ids, filled.positions, meta, logits_index)
+            elif whole is not None and len(rows) == filled.input_ids.shape[0] <= whole.max_rows:
+                # A decode step of a few rows: the whole-step native decode.
+                hidden = whole(self.model.embed(filled.input_ids), filled.positions,
+                               meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                               meta.block_tables.shape[1] * meta.block_size)
+                logits = self.model.compute_logits(hidden.index_select(0, logits_index),
+                                                   float32=False)
+            else:
+                hidden = self.model(filled.input_ids, filled.positions, self.kv_caches,
+                                    filled.token_rows, logits_index)
+                logits = self.model.compute_logits(hidden, float32=False)
             if not plain:
                 logits = logits.float()
         else:

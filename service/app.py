@@ -199,7 +199,8 @@ async def _generate(request: web.Request, type_, prepare, operation: str,
         engine = state.ready_engine()
         req = _decode(await _read(request), type_)
         _check_model(state, req.model)
-        check_n(req.n, engine.model.max_num_seqs)
+        # The Responses and Messages APIs have no n: one choice each.
+        check_n(getattr(req, "n", 1), engine.model.max_num_seqs)
         cancel = threading.Event()
         prepared = await state.off_loop(prepare, req, engine.tokenizer,
                                         engine.model.generation, _chat_options(state),

@@ -34,6 +34,7 @@ from service.messages_protocol import (BlockOut, ContentBlockDelta, ContentBlock
                                        InputJsonDelta, MessageDelta, MessageOut, MessagesRequest,
                                        MessageStart, MessageStop, MessageUsage, Ping, StopDelta,
                                        StreamEvent, TextDelta, TextOut, ToolUseOut)
+from service.admission import PromptLimits
 from service.openai_requests import ChatOptions, PreparedRequest, prepare_chat
 from service.reply import CALL, Block, BlockEvent, Reply, ReplyBlocks, collect_reply, failure
 from service.responses_api import SSE_HEADERS
@@ -68,8 +69,9 @@ class MessagesTurn:
         self.prepared: PreparedRequest | None = None
 
     def prepare(self, req: MessagesRequest, tokenizer: Tokenizer, defaults,
-                chat: ChatOptions | None = None) -> PreparedRequest:
-        prepared = prepare_chat(chat_request(req), tokenizer, defaults, chat)
+                chat: ChatOptions | None = None,
+                limits: PromptLimits | None = None) -> PreparedRequest:
+        prepared = prepare_chat(chat_request(req), tokenizer, defaults, chat, limits)
         prepared.kind = "message"
         self.prepared = prepared
         return prepared

@@ -31,6 +31,7 @@ from aiohttp import web
 from backends.tokenizer import Tokenizer
 from service.generation import GenerationRun, chat_logprobs
 from service.http_errors import APIError
+from service.admission import PromptLimits
 from service.openai_requests import ChatOptions, PreparedRequest, prepare_chat
 from service.reply import CALL, Block, BlockEvent, Reply, ReplyBlocks, collect_reply, failure
 from service.responses_input import (PARAM_NAMES, chat_request, check_fields, echo_text,
@@ -76,7 +77,8 @@ class ResponsesTurn:
 
     # ------------------------------------------------------------- prepare
     def prepare(self, req: ResponsesRequest, tokenizer: Tokenizer, defaults,
-                chat: ChatOptions | None = None) -> PreparedRequest:
+                chat: ChatOptions | None = None,
+                limits: PromptLimits | None = None) -> PreparedRequest:
         self.req = req
         check_fields(req, self.store)
         previous: tuple[InputItem, ...] = ()
@@ -88,7 +90,8 @@ class ResponsesTurn:
         self.conversation = previous + tuple(parse_input_items(req.input))
         if not self.conversation:
             raise APIError(400, "input must not be empty", param="input")
-        prepared = prepare_chat(chat_request(req, self.conversation), tokenizer, defaults, chat)
+        prepared = prepare_chat(chat_request(req, self.conversation), tokenizer, defaults, chat,
+                                limits)
         spec = prepared.params.structured
         if spec is not None and spec.param in PARAM_NAMES:   # compiled later, named ours
             prepared.params = dataclasses.replace(prepared.params, structured=dataclasses.replace(

@@ -54,7 +54,7 @@ log = logging.getLogger("baton.kernels")
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
     "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "gemv_q4.c", "decode_bf16.c",
-    "amx_bf16.c", "prefill_attention.c")]
+    "amx_bf16.c")]
 _HEADERS = [_HERE / "kernels.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
@@ -286,10 +286,6 @@ def _register_fakes() -> None:
     def _attention_lse(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, block_size,
                        scale, kind):
         return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
-
-    @fake("baton::paged_prefill_attention")
-    def _prefill_attention(q, k_cache, v_cache, segs, tables, block_size, scale, kind):
-        return torch.empty_like(q)
 
     @fake("baton::gemv_bf16")
     def _gemv(x, w_tiled, out_features, bias, kind):

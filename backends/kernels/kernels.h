@@ -36,7 +36,6 @@
 #define baton_gemv_bf16_max_rows BATON_FN(baton_gemv_bf16_max_rows)
 #define baton_kernels_avx2 BATON_FN(baton_kernels_avx2)
 #define baton_amx_bf16_ready BATON_FN(baton_amx_bf16_ready)
-#define baton_prefill_attention_amx BATON_FN(baton_prefill_attention_amx)
 #define baton_attention_amx BATON_FN(baton_attention_amx)
 #define baton_linear_amx_bf16 BATON_FN(baton_linear_amx_bf16)
 #define baton_linear_amx_tiles BATON_FN(baton_linear_amx_tiles)
@@ -376,17 +375,6 @@ int baton_paged_decode_attention_qb(
 
 /* 1 when this CPU has AMX-BF16 and the process may use tile data (amx_bf16.c). */
 int baton_amx_bf16_ready(void);
-
-/* Causal prefill attention of S segments on AMX tiles (prefill_attention.c):
- * q, out [rows, H, D] bf16; segs [S][3] = (first row, end row, position of
- * the first row); tables [S][max_blocks] each segment's blocks of a bf16
- * [slots, KVH, D] pool. D a multiple of 32 up to 128, block_size a multiple
- * of 16. 3 where AMX tiles cannot be used (the caller keeps SDPA). */
-int baton_prefill_attention_amx(const uint16_t *q, const uint16_t *k_cache,
-                                const uint16_t *v_cache, const int64_t *segs,
-                                const int64_t *tables, int64_t S, int64_t max_blocks,
-                                int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                                float scale, uint16_t *out, int num_threads);
 
 /* Whether baton_paged_decode_attention_qb takes its bf16 scores on AMX
  * tiles (avx512_bf16 kind, AMX ready): mode 1 lets it (the default), 0

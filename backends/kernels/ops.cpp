@@ -54,10 +54,6 @@ extern "C" {
                                    uint16_t*, int64_t, int64_t, int64_t, int);              \
   int baton_gemv_bf16_max_rows_##kind(void);                                                 \
   int baton_amx_bf16_ready_##kind(void);                                                     \
-  int baton_prefill_attention_amx_##kind(const uint16_t*, const uint16_t*, const uint16_t*,  \
-                                         const int64_t*, const int64_t*, int64_t, int64_t,     \
-                                         int64_t, int64_t, int64_t, int64_t, float, uint16_t*, \
-                                         int);                                                 \
   int baton_linear_amx_bf16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
                                    uint16_t*, int64_t, int64_t, int64_t, int);
 BATON_DECLARE(portable)
@@ -103,8 +99,6 @@ decltype(&baton_amx_bf16_ready_portable) const amx_ready_fn[] =
     BATON_TABLE(baton_amx_bf16_ready);
 decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
     BATON_TABLE(baton_linear_amx_bf16);
-decltype(&baton_prefill_attention_amx_portable) const prefill_amx_fn[] =
-    BATON_TABLE(baton_prefill_attention_amx);
 
 bool cpu_runs(int kind) {
 #if defined(BATON_PORTABLE_ONLY) || !(defined(__x86_64__) || defined(__i386__))
@@ -464,62 +458,6 @@ at::Tensor linear_tiled(const at::Tensor& x, const at::Tensor& w_tiled,
   return at::linear(xc, *weight, bias);
 }
 
-// Causal attention of the step's prefill chunks on AMX tiles
-// (prefill_attention.c): q [rows, heads, head_dim] bf16 (the prefill rows
-// of a step, consecutive), a bf16 pool, segs int64 [S, 3] (first row, end
-// row, position of the first row; the rows of every segment in order,
-// covering q), tables int64 [S, max_blocks] (each segment's blocks up to its
-// last position). Where kind_runs and amx_ready(kind).
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                   const at::Tensor& v_cache, const at::Tensor& segs,
-                                   const at::Tensor& tables, int64_t block_size, double scale,
-                                   int64_t kind) {
-  const int k = check_kind(kind);
-  check_cpu(q, "q");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3,
-              "baton: paged_prefill_attention takes a bfloat16 q [rows, heads, head_dim]");
-  const int64_t rows = q.size(0), h = q.size(1), d = q.size(2);
-  const int64_t kvh = k_cache.dim() == 3 ? k_cache.size(1) : 0;
-  TORCH_CHECK(kvh >= 1 && h % kvh == 0, "baton: heads must be a multiple of kv heads");
-  TORCH_CHECK(kv_bf16(k_cache, v_cache, kvh, d) == 1,
-              "baton: paged_prefill_attention takes a bfloat16 KV cache");
-  TORCH_CHECK(d % 32 == 0 && d <= 128, "baton: paged_prefill_attention takes head_dim 32, 64, "
-              "96 or 128, got ", d);
-  TORCH_CHECK(block_size >= 16 && block_size % 16 == 0 && k_cache.size(0) % block_size == 0,
-              "baton: paged_prefill_attention takes blocks of a multiple of 16 slots");
-  check_cpu(segs, "segs");
-  check_cpu(tables, "tables");
-  TORCH_CHECK(segs.scalar_type() == at::kLong && segs.dim() == 2 && segs.size(1) == 3 &&
-                  segs.size(0) >= 1,
-              "baton: segs must be int64 [segments, 3]");
-  const int64_t s = segs.size(0);
-  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == s,
-              "baton: tables must be int64 [segments, blocks]");
-  const int64_t nb = tables.size(1), pool_blocks = k_cache.size(0) / block_size;
-  const int64_t* sg = segs.data_ptr<int64_t>();
-  const int64_t* tb = tables.data_ptr<int64_t>();
-  int64_t next = 0;
-  for (int64_t i = 0; i < s; i++) {
-    const int64_t r0 = sg[3 * i], r1 = sg[3 * i + 1], start = sg[3 * i + 2];
-    TORCH_CHECK(r0 == next && r1 > r0 && start >= 0, "baton: segment ", i,
-                " must take the rows after the previous one's");
-    const int64_t need = (start + r1 - r0 + block_size - 1) / block_size;
-    TORCH_CHECK(need <= nb, "baton: segment ", i, "'s table is too short");
-    for (int64_t b = 0; b < need; b++)
-      TORCH_CHECK(tb[i * nb + b] >= 0 && tb[i * nb + b] < pool_blocks, "baton: segment ", i,
-                  " names a block outside the pool");
-    next = r1;
-  }
-  TORCH_CHECK(next == rows, "baton: the segments must cover q's rows");
-  at::Tensor out = at::empty_like(q);
-  const int rc = prefill_amx_fn[k](
-      static_cast<const uint16_t*>(q.data_ptr()), static_cast<const uint16_t*>(k_cache.data_ptr()),
-      static_cast<const uint16_t*>(v_cache.data_ptr()), sg, tb, s, nb, h, kvh, d, block_size,
-      static_cast<float>(scale), static_cast<uint16_t*>(out.data_ptr()), threads());
-  check_rc(rc, "paged_prefill_attention");
-  return out;
-}
-
 bool amx_ready(int64_t kind) { return kind_runs(kind) && amx_ready_fn[kind](); }
 
 bool kind_runs(int64_t kind) { return kind >= 0 && kind < kNumKinds && cpu_runs(kind); }
@@ -540,8 +478,6 @@ TORCH_LIBRARY(baton, m) {
   m.def("paged_decode_attention_lse(Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, int max_seq_len, int block_size, float scale, "
         "int kind) -> (Tensor, Tensor)");
-  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor segs, "
-        "Tensor tables, int block_size, float scale, int kind) -> Tensor");
   m.def("gemv_bf16(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
         "-> Tensor");
   m.def("linear_amx(Tensor x, Tensor w_tiled, int out_features, Tensor? bias, int kind) "
@@ -561,7 +497,6 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("qkv_rope_store", qkv_rope_store);
   m.impl("paged_decode_attention", paged_decode_attention);
   m.impl("paged_decode_attention_lse", paged_decode_attention_lse);
-  m.impl("paged_prefill_attention", paged_prefill_attention);
   m.impl("gemv_bf16", gemv_bf16_op);
   m.impl("linear_amx", linear_amx_op);
   m.impl("packed_linear", packed_linear);
