@@ -231,6 +231,39 @@ class GenerationDefaults:
     max_new_tokens: int | None = None
 
 
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    """How /v1/embeddings turns a prompt's hidden states (after the final
+    norm) into one vector, from the model's sentence-transformers files
+    (backends/loader/pooling_config.py).
+
+    ``pooling_type``: "last" (the last position's hidden state) or "mean"
+    (the average over every position). The vector is always L2-normalised.
+    ``source`` says where the choice came from, for errors and the docs.
+    ``matryoshka``: the model was trained so that a leading slice of its
+    vector, renormalised, is itself an embedding (a request's
+    ``dimensions`` may then cut it); ``matryoshka_dimensions`` lists the
+    sizes it allows (empty: any size up to the full one).
+    ``unsupported``: why this model's pooling cannot be served (a mode Baton
+    does not implement), else None; generation is unaffected.
+    """
+
+    pooling_type: str = "last"
+    source: str = ("default: last token (a generative model without a pooling "
+                   "configuration)")
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+    unsupported: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling type {self.pooling_type!r} is not one of "
+                             f"{', '.join(POOLING_TYPES)}")
+
+
 @dataclass(slots=True)
 class TokenizerSpec:
     """A ready ``tokenizers.Tokenizer`` plus what the files say around it."""
@@ -259,3 +292,5 @@ class LoadedModel:
     # Weight name -> how the file stored it, where that was not plain floats
     # (a GGUF's "Q4_1", "Q4_K" ...): what quantization may build on.
     source_formats: dict[str, str] = field(default_factory=dict)
+    # How /v1/embeddings pools this model's hidden states.
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)

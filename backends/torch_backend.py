@@ -35,6 +35,7 @@ from backends.linear import swap_linears
 from backends.models.decoder import DecoderLM
 from backends.ops import build_greedy_pick, build_ops
 from backends.parallel.group import ForwardRow, TensorParallelGroup
+from backends.pooling import Pooler, pool_spans
 from backends.quantization.spec import QuantizationSpec, projection_formats
 from backends.rope import local_rope_table, rope_table
 from backends.sampler import (DeferredMasks, PenaltyInputs, SamplerOutput, SamplingBatch,
@@ -71,14 +72,20 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def _out_rows(logits_index: torch.Tensor, num_tokens: int,
-              spans: list) -> torch.Tensor | None:
+              spans: list, pooling: bool = False) -> torch.Tensor | None:
     """The rows the model's last layer carries past its attention: the
     sampled ones, when they are fewer than the step's tokens (a prefill chunk
-    samples its last row only) and no prompt logprobs read the others; else
-    None (every row). Rank 0 and the other tensor-parallel ranks decide alike
-    from what they share (the rows and the spans)."""
+    samples its last row only) and neither prompt logprobs nor an embedding
+    request's pooling (``pooling``) read the others; else None (every row).
+    Rank 0 and the other tensor-parallel ranks decide alike from what they
+    share (the rows and the spans)."""
     n = logits_index.shape[0]
-    return logits_index if 0 < n < num_tokens and not spans else None
+    return logits_index if 0 < n < num_tokens and not spans and not pooling else None
+
+
+def _pools(row: ScheduledRequest | ForwardRow) -> bool:
+    """An embedding request's row: pooled, never sampled."""
+    return getattr(row, "pooling", None) is not None or getattr(row, "pool", False)
 
 
 class TorchBackend:
@@ -195,6 +202,8 @@ class TorchBackend:
             self._governor = ThreadGovernor(DEFAULT_THREADS)
 
         self._states: dict[str, _RequestState] = {}
+        # Embedding requests' pooled partial sums (backends/pooling.py).
+        self._pooler = Pooler()
         self._shared_generator = torch.Generator(device=self.device)
         if seed is None:
             self._shared_generator.seed()
@@ -344,7 +353,7 @@ class TorchBackend:
         return self.device.type != "cpu" or torch.get_num_threads() < self._num_cores
 
     def request_state_ids(self) -> set[str]:
-        return set(self._states)
+        return set(self._states) | self._pooler.request_ids()
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -355,6 +364,7 @@ class TorchBackend:
             self._governor.before_step()
         for request_id in scheduler_output.finished_request_ids:
             self._states.pop(request_id, None)
+        self._pooler.release(scheduler_output.finished_request_ids)
         for scheduled in scheduler_output.requests:
             if scheduled.request_id not in self._states:
                 self._states[scheduled.request_id] = self._new_state(scheduled)
@@ -364,6 +374,7 @@ class TorchBackend:
         # Single-token rows (decodes) first: they share one attention call.
         rows = sorted(scheduler_output.requests, key=lambda r: len(r.token_ids) != 1)
         spans = self._prompt_logprob_spans(rows)
+        pools = pool_spans(rows)
         if self.parallel is not None:  # the other ranks prepare while this one does
             self.parallel.broadcast_step(rows, [(lo, lo + last - first)
                                                 for _, first, last, lo in spans])
@@ -384,7 +395,7 @@ class TorchBackend:
                            meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
             out_rows = None
         else:
-            out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
+            out_rows = _out_rows(logits_index, input_ids.shape[0], spans, bool(pools))
             hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
         plain = (self._greedy_pick is not None and not constrained and not waiting
                  and plain_greedy(batch))
@@ -395,6 +406,7 @@ class TorchBackend:
         logits = None if screened is not None else self.model.compute_logits(
             picked_hidden, float32=not plain)
         prompt_logprobs = self._prompt_logprobs(spans, hidden)
+        pooled, failed = self._pooler.pool(hidden, pools) if pools else ({}, {})
         t2 = time.perf_counter()
         timings.forward = t2 - t1
 
@@ -422,7 +434,6 @@ class TorchBackend:
                 log.error("request %s: token %d rejected by its grammar: %s",
                           sample_rows[i].request_id, token_ids[i], matcher.error)
         logprobs = self._logprobs_lists(out, token_ids, sample_rows)
-        failed: dict[str, str] = {}
         kept_rows, kept_ids, kept_logprobs = [], [], []
         for scheduled, token_id, entry in zip(sample_rows, token_ids, logprobs):
             if token_id < 0:
@@ -436,7 +447,8 @@ class TorchBackend:
             if counts is not None:
                 counts[token_id] += 1
         timings.sample = time.perf_counter() - t2
-        return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed)
+        return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed,
+                          pooled)
 
     def _grammar_rows(self, rows: list[ScheduledRequest], batch: SamplingBatch
                       ) -> tuple[list[tuple[int, GrammarMatcher]],
@@ -540,7 +552,8 @@ class TorchBackend:
         0's ``execute`` (the forward pass, the logits of the sampled rows,
         then of each prompt-logprob span), on what rank 0 broadcast."""
         input_ids, positions, meta, _, logits_index = self._prepare(rows)
-        out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
+        out_rows = _out_rows(logits_index, input_ids.shape[0], spans,
+                             any(row.pool for row in rows))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
         self.model.compute_logits(hidden if out_rows is not None else hidden[logits_index])
         for lo, hi in spans:
@@ -588,7 +601,7 @@ class TorchBackend:
                 decode_rows.append(row)
             else:
                 prefill_rows.append((start, row))
-            if row.sample:
+            if row.sample and not _pools(row):
                 sample_rows.append(row)
                 logits_index.append(start + n - 1)
 

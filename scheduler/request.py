@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from backends.interface import SamplingParams
+from backends.interface import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +49,9 @@ class Request:
     arrival_index: int = 0
     # Prompt tokens found in the prefix cache when first admitted (None until then).
     num_cached_tokens: int | None = None
+    # An embedding request: prefilled, never sampled; it ends when its
+    # prompt is computed and the backend returns its pooled vector.
+    pooling: PoolingParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,6 +73,10 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:stop - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling is not None
 
     @property
     def is_finished(self) -> bool:

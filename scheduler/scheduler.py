@@ -194,8 +194,11 @@ class Scheduler:
         for request in list(self.waiting):
             if plan.budget + plan.bonus <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            # Prompt logprobs need every prompt position computed.
-            hit = NO_HIT if request.sampling_params.prompt_logprobs is not None \
+            # Prompt logprobs and mean pooling need every prompt position
+            # computed; last-token pooling only the last (never a hit).
+            every = (request.sampling_params.prompt_logprobs is not None
+                     or (request.pooling is not None and request.pooling.needs_every_position))
+            hit = NO_HIT if every \
                 else self.kv_cache.find_cached_prefix(request.request_id, request)
             remaining = request.num_tokens - hit.num_tokens
             is_long = remaining > threshold
@@ -254,6 +257,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=list(request.prompt_token_ids) if first else None,
+            pooling=request.pooling,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -292,6 +296,19 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(request_id, reason, stop_reason)
         return updates
+
+    def finish_pooled(self, result: StepResult) -> list[tuple[Request, list[float]]]:
+        """End the embedding requests whose pooled vector this step returned
+        (after ``update_from_output``, which names their computed blocks in
+        the prefix cache). A request aborted while the step ran is skipped."""
+        done = []
+        for request_id, vector in result.pooled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.pooling is None:
+                continue
+            self.finish_request(request_id, FinishReason.STOP)
+            done.append((request, vector))
+        return done
 
     def _check_stop(self, request: Request, token_id: int, stop_string: str | None = None
                     ) -> tuple[FinishReason | None, int | str | None]:

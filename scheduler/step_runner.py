@@ -109,4 +109,5 @@ def _merge(a: StepResult, b: StepResult) -> StepResult:
                           sample=a.timings.sample + b.timings.sample)
     return StepResult(a.request_ids + b.request_ids, a.token_ids + b.token_ids,
                       a.logprobs + b.logprobs, timings,
-                      {**a.prompt_logprobs, **b.prompt_logprobs}, {**a.failed, **b.failed})
+                      {**a.prompt_logprobs, **b.prompt_logprobs}, {**a.failed, **b.failed},
+                      {**a.pooled, **b.pooled})

@@ -34,6 +34,7 @@ from backends.config import (
 )
 from backends.errors import ModelLoadError, UnsupportedArchitectureError
 from backends.loader.generation_config import parse_generation_config
+from backends.loader.pooling_config import read_pooling_config
 from backends.progress import Progress
 from backends.models.weight_spec import checkpoint_shapes
 
@@ -106,7 +107,8 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype = torch.floa
     _validate_weights(weights, sharder.local_config if sharder is not None else config)
     generation = _load_generation(folder, raw_config, tokenizer)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
-                       generation=generation, source=str(folder))
+                       generation=generation, source=str(folder),
+                       pooling=read_pooling_config(folder, raw_config))
 
 
 # ---------------------------------------------------------------- config.json
