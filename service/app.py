@@ -378,6 +378,9 @@ def create_app(state: ServerState) -> web.Application:
     app.on_cleanup.append(stop_preprocessing)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    # Imported here: the embeddings route module builds on this one's helpers.
+    from service.embeddings_api import embeddings
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/tokenize", tokenize)

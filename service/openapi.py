@@ -6,6 +6,7 @@ import functools
 
 import msgspec
 
+from service import embeddings_protocol as e
 from service import protocol as p
 
 _JSON = "application/json"
@@ -16,6 +17,8 @@ _ROUTES = [
      p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions", "Create a chat completion (stream=true for SSE)",
      p.ChatCompletionRequest, p.ChatCompletionResponse),
+    ("post", "/v1/embeddings", "Embed strings or token ids (pooled, L2-normalised)",
+     e.EmbeddingRequest, e.EmbeddingResponse),
     ("get", "/v1/models", "List the served model", None, p.ModelList),
     ("get", "/v1/models/{model}", "The served model's card (404 for another id)", None,
      p.ModelCard),
