@@ -336,3 +336,27 @@ def test_broken_pooling_files_fail_the_load(tmp_path, tiny_llama_dir):
         load_hf_folder(folder)
     with pytest.raises(ModelLoadError, match="matryoshka_dimensions"):
         read_pooling_config(tmp_path, {"matryoshka_dimensions": [0]})
+
+
+def test_tensor_parallel_pools_beside_sampled_rows(tiny_llama_dir):
+    """Two ranks: a step that samples some rows and pools others keeps every
+    row past the last layer on every rank alike (a rank that cut the rows
+    would hang the collectives); vectors and tokens equal one rank's."""
+    from backends.parallel.config import ParallelConfig
+    sharded = make_engine(tiny_llama_dir, max_num_batched_tokens=24,
+                          long_prefill_token_threshold=24,
+                          parallel=ParallelConfig(tensor_parallel_size=2, pin_cpus=False))
+    threads = torch.get_num_threads()
+    try:
+        prompts = _prompts((9, 40), seed=11)
+        for rid, ids in _prompts((12,), seed=12).items():
+            sharded.add_request(f"g-{rid}", ids, SamplingParams(max_tokens=8, temperature=0.0,
+                                                               ignore_eos=True))
+        got = embed_all(sharded, prompts, {"p9": PoolingParams("last"),
+                                           "p40": PoolingParams("mean")})
+        want = {**_reference(tiny_llama_dir, {"p9": prompts["p9"]}, "last"),
+                **_reference(tiny_llama_dir, {"p40": prompts["p40"]}, "mean")}
+        _assert_close(got, want)
+    finally:
+        sharded.backend.shutdown()
+        torch.set_num_threads(threads)
