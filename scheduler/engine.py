@@ -299,9 +299,13 @@ class EngineCore:
                 outputs.append(self._output(request, [update.token_id], update.text,
                                             logprobs))
             outputs[-1].prompt_logprobs = prompt_logprobs
-        for request, vector in self.scheduler.finish_pooled(result):
+        pooled, unpooled = self.scheduler.finish_pooled(output, result)
+        for request, vector in pooled:
             outputs.append(self._final_output(request, [], "", None))
             outputs[-1].embedding = vector
+        for request in unpooled:
+            faults[request.request_id] = "the backend returned no vector for this input"
+            failed_requests.append(request)
         for request in hook_failed:
             if request.is_finished:  # it ended on this very token all the same
                 failed_requests.append(request)

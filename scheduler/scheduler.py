@@ -297,18 +297,29 @@ class Scheduler:
                 self.finish_request(request_id, reason, stop_reason)
         return updates
 
-    def finish_pooled(self, result: StepResult) -> list[tuple[Request, list[float]]]:
-        """End the embedding requests whose pooled vector this step returned
-        (after ``update_from_output``, which names their computed blocks in
-        the prefix cache). A request aborted while the step ran is skipped."""
-        done = []
-        for request_id, vector in result.pooled.items():
-            request = self.requests.get(request_id)
-            if request is None or request.pooling is None:
+    def finish_pooled(self, output: SchedulerOutput, result: StepResult
+                      ) -> tuple[list[tuple[Request, list[float]]], list[Request]]:
+        """End the embedding requests whose prompt this step finished (after
+        ``update_from_output``, which names their computed blocks in the
+        prefix cache): those with a vector, and (finished with ERROR) any the
+        backend returned none for, which would otherwise stay running with
+        nothing left to compute. A request that ended while the step ran
+        (aborted, or failed by a fault) is skipped."""
+        done, missing = [], []
+        for scheduled in output.requests:
+            if scheduled.pooling is None or not scheduled.sample:
                 continue
-            self.finish_request(request_id, FinishReason.STOP)
-            done.append((request, vector))
-        return done
+            request = self.requests.get(scheduled.request_id)
+            if request is None:
+                continue
+            vector = result.pooled.get(scheduled.request_id)
+            self.finish_request(scheduled.request_id,
+                                FinishReason.STOP if vector is not None else FinishReason.ERROR)
+            if vector is not None:
+                done.append((request, vector))
+            else:
+                missing.append(request)
+        return done, missing
 
     def _check_stop(self, request: Request, token_id: int, stop_string: str | None = None
                     ) -> tuple[FinishReason | None, int | str | None]:

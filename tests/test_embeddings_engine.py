@@ -360,3 +360,34 @@ def test_tensor_parallel_pools_beside_sampled_rows(tiny_llama_dir):
     finally:
         sharded.backend.shutdown()
         torch.set_num_threads(threads)
+
+
+def test_a_final_chunk_without_its_vector_fails_alone(tiny_llama_dir):
+    """A backend that returns no vector for a finished input (a bug) fails
+    that request with an error instead of leaving it running with nothing
+    to compute; the other inputs and every block come back."""
+    core = make_engine(tiny_llama_dir)
+    real = core.backend.execute
+
+    def drop_one(output):
+        result = real(output)
+        result.pooled.pop("lost", None)
+        return result
+
+    core.backend.execute = drop_one
+    try:
+        prompts = _prompts((7, 12))
+        core.add_request("lost", prompts["p7"], SamplingParams(), pooling=PoolingParams())
+        core.add_request("kept", prompts["p12"], SamplingParams(), pooling=PoolingParams())
+        outs = {}
+        for _ in range(10):
+            for out in core.step().outputs:
+                outs[out.request_id] = out
+            if not core.has_unfinished():
+                break
+        assert outs["lost"].finish_reason == "error" and "no vector" in outs["lost"].error
+        assert outs["kept"].finish_reason == "stop" and outs["kept"].embedding is not None
+    finally:
+        del core.backend.execute
+    core.step()
+    assert_all_free(core)
