@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3",
-                           "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+                           "phi3", "gemma2", "gemma3")
 # Layer kinds (Hugging Face's layer_types values).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -38,7 +38,7 @@ class RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
-    """A sparse mixture-of-experts MLP (Qwen3-MoE).
+    """A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral).
 
     Each token's router logits (a [num_experts, hidden] matrix) go through a
     float32 softmax; the ``experts_per_token`` largest probabilities pick the
@@ -46,6 +46,11 @@ class MoEConfig:
     token's MLP output is the weighted sum of those experts' SwiGLU MLPs
     (``intermediate_size`` wide each). Layers listed in ``dense_layers`` keep
     an ordinary MLP of ModelConfig.intermediate_size.
+
+    Checkpoint names: ``block`` is the layer's module holding the router
+    (``gate``) and the experts (``experts.E``); ``projections`` an expert's
+    gate, up and down matrices. Qwen3-MoE: ``mlp`` and gate_proj / up_proj /
+    down_proj; Mixtral: ``block_sparse_moe`` and w1 / w3 / w2.
     """
 
     num_experts: int
@@ -53,6 +58,8 @@ class MoEConfig:
     intermediate_size: int
     normalize_weights: bool = True
     dense_layers: tuple[int, ...] = ()
+    block: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     def __post_init__(self) -> None:
         if not 0 < self.experts_per_token <= self.num_experts:
@@ -87,7 +94,7 @@ class ModelConfig:
     ``local_rope_theta``: the rotary base of sliding-window layers when it
     differs from full-attention layers' (Gemma 3), without scaling.
     ``packed_projections``: the checkpoint stores q/k/v and gate/up already
-    fused (Phi-3). ``moe``: the MLP is a mixture of experts (Qwen3-MoE).
+    fused (Phi-3). ``moe``: the MLP is a mixture of experts (Qwen3-MoE, Mixtral).
     """
 
     architecture: str
@@ -231,6 +238,39 @@ class GenerationDefaults:
     max_new_tokens: int | None = None
 
 
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    """How /v1/embeddings turns a prompt's hidden states (after the final
+    norm) into one vector, from the model's sentence-transformers files
+    (backends/loader/pooling_config.py).
+
+    ``pooling_type``: "last" (the last position's hidden state) or "mean"
+    (the average over every position). The vector is always L2-normalised.
+    ``source`` says where the choice came from, for errors and the docs.
+    ``matryoshka``: the model was trained so that a leading slice of its
+    vector, renormalised, is itself an embedding (a request's
+    ``dimensions`` may then cut it); ``matryoshka_dimensions`` lists the
+    sizes it allows (empty: any size up to the full one).
+    ``unsupported``: why this model's pooling cannot be served (a mode Baton
+    does not implement), else None; generation is unaffected.
+    """
+
+    pooling_type: str = "last"
+    source: str = ("default: last token (a generative model without a pooling "
+                   "configuration)")
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+    unsupported: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling type {self.pooling_type!r} is not one of "
+                             f"{', '.join(POOLING_TYPES)}")
+
+
 @dataclass(slots=True)
 class TokenizerSpec:
     """A ready ``tokenizers.Tokenizer`` plus what the files say around it."""
@@ -259,3 +299,5 @@ class LoadedModel:
     # Weight name -> how the file stored it, where that was not plain floats
     # (a GGUF's "Q4_1", "Q4_K" ...): what quantization may build on.
     source_formats: dict[str, str] = field(default_factory=dict)
+    # How /v1/embeddings pools this model's hidden states.
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)

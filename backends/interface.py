@@ -203,6 +203,33 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """An embedding request: the prompt is prefilled, nothing is sampled, and
+    the backend returns one vector pooled from its hidden states (after the
+    final norm). ``pooling_type`` is "last" (the last position's) or "mean"
+    (every position's average, across however many chunks the prefill
+    takes). The vector is cut to its first ``dimensions`` values when given
+    (Matryoshka), then L2-normalised."""
+
+    pooling_type: str = "last"
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in ("last", "mean"):
+            raise InvalidRequestError(
+                f"pooling type must be last or mean, got {self.pooling_type!r}", "pooling")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise InvalidRequestError(
+                f"dimensions must be at least 1, got {self.dimensions}", "dimensions")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Mean pooling reads every prompt position's hidden state, so no
+        position may be skipped as a prefix-cache hit."""
+        return self.pooling_type == "mean"
+
+
 def _check_finite(value: float, param: str) -> None:
     if not math.isfinite(value):
         raise InvalidRequestError(f"{param} must be a finite number, got {value}", param)
@@ -218,7 +245,9 @@ class ScheduledRequest:
     chunk reaches the end of the known tokens and the backend samples one new
     token from the last position. ``prompt_token_ids`` is set only on the
     first step this request is ever scheduled (the backend keeps it for the
-    repetition penalty).
+    repetition penalty). ``pooling`` is set for an embedding request: it is
+    never sampled (``sample`` is false), and the chunk that reaches the end
+    of its prompt returns its pooled vector (``StepResult.pooled``).
     """
 
     request_id: str
@@ -232,6 +261,7 @@ class ScheduledRequest:
     # Leading entries of block_table the backend was sent before and still
     # holds (0 on the first step and after a preemption): the table's diff.
     num_known_blocks: int = 0
+    pooling: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -295,6 +325,9 @@ class StepResult:
     # The error type of a failed request where it is not "internal_error"
     # (backends.errors.GRAMMAR_ERROR for a constraint that failed).
     error_types: dict[str, str] = field(default_factory=dict)
+    # Embedding requests whose prompt this step finished: the pooled,
+    # normalised vector (float32 values), by request id.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Backend(Protocol):

@@ -37,6 +37,7 @@ from backends.linear import swap_linears
 from backends.models.decoder import DecoderLM
 from backends.ops import build_ops
 from backends.parallel.group import ForwardRow, TensorParallelGroup
+from backends.pooling import Pooler, pool_spans
 from backends.quantization.spec import QuantizationSpec, projection_formats
 from backends.rope import local_rope_table, rope_table
 from backends.sampler import (DeferredMasks, PenaltyInputs, SamplerOutput, SamplingBatch,
@@ -72,14 +73,20 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def _out_rows(logits_index: torch.Tensor, num_tokens: int,
-              spans: list) -> torch.Tensor | None:
+              spans: list, pooling: bool = False) -> torch.Tensor | None:
     """The rows the model's last layer carries past its attention: the
     sampled ones, when they are fewer than the step's tokens (a prefill chunk
-    samples its last row only) and no prompt logprobs read the others; else
-    None (every row). Rank 0 and the other tensor-parallel ranks decide alike
-    from what they share (the rows and the spans)."""
+    samples its last row only) and neither prompt logprobs nor an embedding
+    request's pooling (``pooling``) read the others; else None (every row).
+    Rank 0 and the other tensor-parallel ranks decide alike from what they
+    share (the rows and the spans)."""
     n = logits_index.shape[0]
-    return logits_index if 0 < n < num_tokens and not spans else None
+    return logits_index if 0 < n < num_tokens and not spans and not pooling else None
+
+
+def _pools(row: ScheduledRequest | ForwardRow) -> bool:
+    """An embedding request's row: pooled, never sampled."""
+    return getattr(row, "pooling", None) is not None or getattr(row, "pool", False)
 
 
 class TorchBackend:
@@ -204,6 +211,8 @@ class TorchBackend:
             self._governor = ThreadGovernor(DEFAULT_THREADS)
 
         self._states: dict[str, _RequestState] = {}
+        # Embedding requests' pooled partial sums (backends/pooling.py).
+        self._pooler = Pooler()
         self._shared_generator = torch.Generator(device=self.device)
         if seed is None:
             self._shared_generator.seed()
@@ -357,7 +366,7 @@ class TorchBackend:
         return self.device.type != "cpu" or torch.get_num_threads() < self._num_cores
 
     def request_state_ids(self) -> set[str]:
-        return set(self._states)
+        return set(self._states) | self._pooler.request_ids()
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -369,6 +378,7 @@ class TorchBackend:
         for request_id in scheduler_output.finished_request_ids:
             self._states.pop(request_id, None)
         self._batch.release(scheduler_output.finished_request_ids)
+        self._pooler.release(scheduler_output.finished_request_ids)
         for scheduled in scheduler_output.requests:
             if scheduled.request_id not in self._states:
                 self._states[scheduled.request_id] = self._new_state(scheduled)
@@ -378,10 +388,14 @@ class TorchBackend:
         # Single-token rows (decodes) first: they share one attention call.
         rows = sorted(scheduler_output.requests, key=lambda r: len(r.token_ids) != 1)
         spans = self._prompt_logprob_spans(rows)
+        pools = pool_spans(rows)
         if self.parallel is not None:  # the other ranks prepare while this one does
             self.parallel.broadcast_step(rows, [(lo, lo + last - first)
                                                 for _, first, last, lo in spans])
-        token_rows = self._token_rows and not spans and not self._cascade_pays(rows)
+        # Prompt logprobs and pooling read every row's hidden state: those
+        # steps take the eager path over whole chunks.
+        token_rows = (self._token_rows and not spans and not pools
+                      and not self._cascade_pays(rows))
         filled = self._batch.fill(rows, token_rows)
         if token_rows:
             sample_rows, logits_index = self._sample_rows(rows)
@@ -397,6 +411,7 @@ class TorchBackend:
 
         plain = not constrained and not waiting and plain_greedy(batch)
         prompt_logprobs = {}
+        pooled, pool_failed = {}, {}
         if token_rows:
             # The sampled rows' logits, in the activation dtype.
             meta = filled.token_rows
@@ -424,12 +439,13 @@ class TorchBackend:
                                meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
                 out_rows = None
             else:
-                out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
+                out_rows = _out_rows(logits_index, input_ids.shape[0], spans, bool(pools))
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
             # With out_rows the model returned the sampled rows alone, in order.
             picked_hidden = hidden if out_rows is not None else hidden[logits_index]
             logits = self.model.compute_logits(picked_hidden, float32=not plain)
             prompt_logprobs = self._prompt_logprobs(spans, hidden)
+            pooled, pool_failed = self._pooler.pool(hidden, pools) if pools else ({}, {})
         t2 = time.perf_counter()
         timings.forward = t2 - t1
 
@@ -453,7 +469,7 @@ class TorchBackend:
                                        [r.request_id for r in sample_rows]) \
             if grammar_rows else {}
         logprobs = self._logprobs_lists(out, token_ids, sample_rows)
-        failed: dict[str, str] = {}
+        failed: dict[str, str] = dict(pool_failed)
         error_types: dict[str, str] = {}
         kept_rows, kept_ids, kept_logprobs = [], [], []
         for i, (scheduled, token_id, entry) in enumerate(zip(sample_rows, token_ids, logprobs)):
@@ -473,7 +489,7 @@ class TorchBackend:
                 counts[token_id] += 1
         timings.sample = time.perf_counter() - t2
         return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed,
-                          error_types)
+                          error_types, pooled)
 
     def _grammar_rows(self, rows: list[ScheduledRequest], batch: SamplingBatch
                       ) -> tuple[list[tuple[int, GrammarMatcher]],
@@ -577,7 +593,8 @@ class TorchBackend:
         0's ``execute`` (the forward pass, the logits of the sampled rows,
         then of each prompt-logprob span), on what rank 0 broadcast."""
         input_ids, positions, meta, _, logits_index = self._prepare(rows, self._batch.fill(rows))
-        out_rows = _out_rows(logits_index, input_ids.shape[0], spans)
+        out_rows = _out_rows(logits_index, input_ids.shape[0], spans,
+                             any(row.pool for row in rows))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
         self.model.compute_logits(hidden if out_rows is not None else hidden[logits_index])
         for lo, hi in spans:
@@ -612,7 +629,7 @@ class TorchBackend:
         start = 0
         for row in rows:
             start += len(row.token_ids)
-            if row.sample:
+            if row.sample and not _pools(row):
                 sample_rows.append(row)
                 logits_index.append(start - 1)
         return sample_rows, torch.tensor(logits_index, dtype=torch.long).to(self.device)

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from backends.interface import SamplingParams
+from backends.interface import PoolingParams, SamplingParams
 from backends.tokenizer import Tokenizer
 from scheduler.config import FaultPolicy
 from scheduler.engine import EngineCore
@@ -170,14 +170,15 @@ class AsyncEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     queue: asyncio.Queue[RequestOutput] | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, pooling: PoolingParams | None = None) -> str:
         """Validate and queue now (raising typed errors at once); returns the
         request id to pass to ``stream``. Requests given the same ``queue``
-        can be consumed together with ``stream_group``."""
+        can be consumed together with ``stream_group``. With ``pooling`` it
+        is an embedding request (EngineCore.add_request)."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         request_id = request_id or f"req-{next(self._ids)}"
-        self._core.add_request(request_id, prompt_token_ids, params, priority)
+        self._core.add_request(request_id, prompt_token_ids, params, priority, pooling)
         self._queues[request_id] = queue if queue is not None else asyncio.Queue()
         self._num_added += 1
         self._work.set()

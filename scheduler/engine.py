@@ -23,10 +23,10 @@ import logging
 import threading
 import time
 
-from backends.config import GenerationDefaults
+from backends.config import GenerationDefaults, PoolingConfig
 from backends.errors import ContextLengthExceededError, InvalidRequestError
-from backends.interface import (Backend, SamplingParams, SchedulerOutput, StepResult,
-                                StepTimings)
+from backends.interface import (Backend, PoolingParams, SamplingParams, SchedulerOutput,
+                                StepResult, StepTimings)
 from backends.tokenizer import Tokenizer
 from cache.kv_cache_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
@@ -45,11 +45,15 @@ class EngineCore:
                  *, vocab_size: int, eos_token_ids: tuple[int, ...],
                  model_name: str = "model",
                  generation: GenerationDefaults | None = None,
-                 max_logprobs: int = 20) -> None:
+                 max_logprobs: int = 20,
+                 pooling: PoolingConfig | None = None, hidden_size: int = 0) -> None:
         self.model_name = model_name
         # The most top alternatives a request may ask for (--max-logprobs;
         # -1: the whole vocabulary).
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+        # How embedding requests pool, and the width of their vectors.
+        self.pooling = pooling or PoolingConfig()
+        self.hidden_size = hidden_size
         self.generation = generation or GenerationDefaults(eos_token_ids=tuple(eos_token_ids))
         self.tokenizer = tokenizer
         self.config = config
@@ -104,32 +108,43 @@ class EngineCore:
     def info(self) -> ModelInfo:
         return ModelInfo(self.model_name, self.max_model_len, self.vocab_size,
                          self.kv_cache.capacity_tokens, self.generation, self.max_logprobs,
-                         self.config.max_num_seqs)
+                         self.config.max_num_seqs, self.pooling, self.hidden_size)
 
     # ---------------------------------------------------------------- intake
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> None:
+                    params: SamplingParams, priority: int = 0,
+                    pooling: PoolingParams | None = None) -> None:
         """Validate and queue. Raises InvalidRequestError (or its subclass
-        ContextLengthExceededError) before anything is computed."""
+        ContextLengthExceededError) before anything is computed. With
+        ``pooling`` it is an embedding request: the prompt is prefilled and
+        its final output carries the pooled vector (``params`` is unused)."""
         if priority != 0 and self.config.policy != "priority":
             raise InvalidRequestError(
                 f"priority {priority} was given, but this server schedules first come, "
                 f"first served; start it with --scheduling-policy priority to honour "
                 f"priorities", "priority")
-        self.validate(prompt_token_ids, params)
         n = len(prompt_token_ids)
-        max_tokens = self.max_model_len - n if params.max_tokens is None else params.max_tokens
-        request = Request(request_id, list(prompt_token_ids), params,
-                          max_tokens=min(max_tokens, self.max_model_len - n),
-                          eos_token_ids=self.eos_token_ids, priority=priority)
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer.backend, stop=params.stop,
-            skip_special_tokens=params.skip_special_tokens)
+        detokenizer = None
+        if pooling is not None:
+            self.validate_pooling(prompt_token_ids, pooling)
+            request = Request(request_id, list(prompt_token_ids), params, max_tokens=0,
+                              priority=priority, pooling=pooling)
+        else:
+            self.validate(prompt_token_ids, params)
+            max_tokens = (self.max_model_len - n if params.max_tokens is None
+                          else params.max_tokens)
+            request = Request(request_id, list(prompt_token_ids), params,
+                              max_tokens=min(max_tokens, self.max_model_len - n),
+                              eos_token_ids=self.eos_token_ids, priority=priority)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer.backend, stop=params.stop,
+                skip_special_tokens=params.skip_special_tokens)
         with self._lock:
             if request_id in self.scheduler.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                           "request_id")
-            self._detokenizers[request_id] = detokenizer
+            if detokenizer is not None:
+                self._detokenizers[request_id] = detokenizer
             self.scheduler.add_request(request)
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -172,6 +187,28 @@ class EngineCore:
                 raise InvalidRequestError("this backend does not support structured outputs",
                                           params.structured.param)
             self.grammar.compile(params.structured)
+
+    def validate_pooling(self, prompt: list[int], pooling: PoolingParams) -> None:
+        """An embedding request's checks: its prompt may fill the whole
+        context (nothing is generated after it), and ``dimensions`` must fit
+        the model's vector."""
+        if not prompt:
+            raise InvalidRequestError("input must not be empty", "input")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"input token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})",
+                "input")
+        if len(prompt) > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, an input holds {len(prompt)} tokens. Shorten it, or send "
+                f"truncate_prompt_tokens to keep only its last tokens.", "input")
+        if self.hidden_size and pooling.dimensions is not None \
+                and pooling.dimensions > self.hidden_size:
+            raise InvalidRequestError(
+                f"dimensions {pooling.dimensions} exceeds the model's embedding size "
+                f"{self.hidden_size}", "dimensions")
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None) -> RequestOutput | None:
@@ -273,6 +310,13 @@ class EngineCore:
             else:
                 outputs.append(self._output(request, new_ids, update.text, logprobs))
             outputs[-1].prompt_logprobs = prompt_logprobs
+        pooled, unpooled = self.scheduler.finish_pooled(output, result)
+        for request, vector in pooled:
+            outputs.append(self._final_output(request, [], "", None))
+            outputs[-1].embedding = vector
+        for request in unpooled:
+            faults[request.request_id] = "the backend returned no vector for this input"
+            failed_requests.append(request)
         for request in hook_failed:
             if request.is_finished:  # it ended on this very token all the same
                 failed_requests.append(request)
@@ -358,10 +402,12 @@ class EngineCore:
         with self._lock:
             self.scheduler.check_integrity()
             live = set(self.scheduler.requests)
-            if set(self._detokenizers) != live:
+            generating = {rid for rid, r in self.scheduler.requests.items()
+                          if not r.is_pooling}
+            if set(self._detokenizers) != generating:
                 raise AssertionError(
-                    f"detokenizers {sorted(set(self._detokenizers) ^ live)} out of sync "
-                    f"with the live requests")
+                    f"detokenizers {sorted(set(self._detokenizers) ^ generating)} out of "
+                    f"sync with the live generation requests")
             stale = set(self._prompt_logprobs) - live
             if stale:
                 raise AssertionError(f"prompt logprobs kept for ended requests {sorted(stale)}")

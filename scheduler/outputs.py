@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backends.config import GenerationDefaults
+from backends.config import GenerationDefaults, PoolingConfig
 from backends.interface import StepTimings, TokenLogprobs
 
 
@@ -39,6 +39,8 @@ class RequestOutput:
     num_preemptions: int = 0
     # prompt tokens found in the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
+    # An embedding request's final output: its pooled, normalised vector.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +93,8 @@ class ModelInfo:
     generation: GenerationDefaults
     max_logprobs: int = 20      # top alternatives a request may ask for (--max-logprobs)
     max_num_seqs: int = 0   # requests that run at once (0: not said)
+    pooling: PoolingConfig = PoolingConfig()
+    hidden_size: int = 0  # the width of an embedding (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from backends.interface import SamplingParams
+from backends.interface import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +52,9 @@ class Request:
     # Blocks of its table already sent to the backend (0 again after a
     # preemption: the recompute gets a new table).
     num_blocks_sent: int = 0
+    # An embedding request: prefilled, never sampled; it ends when its
+    # prompt is computed and the backend returns its pooled vector.
+    pooling: PoolingParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +76,10 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:stop - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling is not None
 
     @property
     def is_finished(self) -> bool:

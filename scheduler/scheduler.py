@@ -194,8 +194,11 @@ class Scheduler:
         for request in list(self.waiting):
             if plan.budget + plan.bonus <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            # Prompt logprobs need every prompt position computed.
-            hit = NO_HIT if request.sampling_params.prompt_logprobs is not None \
+            # Prompt logprobs and mean pooling need every prompt position
+            # computed; last-token pooling only the last (never a hit).
+            every = (request.sampling_params.prompt_logprobs is not None
+                     or (request.pooling is not None and request.pooling.needs_every_position))
+            hit = NO_HIT if every \
                 else self.kv_cache.find_cached_prefix(request.request_id, request)
             remaining = request.num_tokens - hit.num_tokens
             is_long = remaining > threshold
@@ -253,11 +256,14 @@ class Scheduler:
             start_pos=start,
             block_table=table,
             num_known_blocks=known,
-            # A scored prompt (max_tokens 0) only needs its positions computed.
-            sample=request.num_computed_tokens == request.num_tokens and request.max_tokens > 0,
+            # A scored prompt (max_tokens 0) only needs its positions computed;
+            # an embedding request's last chunk is marked to be pooled.
+            sample=(request.num_computed_tokens == request.num_tokens
+                    and (request.max_tokens > 0 or request.pooling is not None)),
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=list(request.prompt_token_ids) if first else None,
+            pooling=request.pooling,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -298,12 +304,36 @@ class Scheduler:
                 self.finish_request(request_id, reason, stop_reason)
         for scheduled in output.requests:
             request = self.requests.get(scheduled.request_id)
-            if (request is not None and request.max_tokens == 0
+            if (request is not None and request.max_tokens == 0 and request.pooling is None
                     and request.num_computed_tokens == request.num_tokens):
                 # A scored prompt ends once it is computed: nothing was sampled.
                 updates.append(TokenUpdate(request, None, None))
                 self.finish_request(request.request_id, FinishReason.LENGTH)
         return updates
+
+    def finish_pooled(self, output: SchedulerOutput, result: StepResult
+                      ) -> tuple[list[tuple[Request, list[float]]], list[Request]]:
+        """End the embedding requests whose prompt this step finished (after
+        ``update_from_output``, which names their computed blocks in the
+        prefix cache): those with a vector, and (finished with ERROR) any the
+        backend returned none for, which would otherwise stay running with
+        nothing left to compute. A request that ended while the step ran
+        (aborted, or failed by a fault) is skipped."""
+        done, missing = [], []
+        for scheduled in output.requests:
+            if scheduled.pooling is None or not scheduled.sample:
+                continue
+            request = self.requests.get(scheduled.request_id)
+            if request is None:
+                continue
+            vector = result.pooled.get(scheduled.request_id)
+            self.finish_request(scheduled.request_id,
+                                FinishReason.STOP if vector is not None else FinishReason.ERROR)
+            if vector is not None:
+                done.append((request, vector))
+            else:
+                missing.append(request)
+        return done, missing
 
     def _check_stop(self, request: Request, token_id: int, stop_string: str | None = None
                     ) -> tuple[FinishReason | None, int | str | None]:

@@ -479,6 +479,9 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_stored_response)
     app.router.add_post("/v1/messages", create_message)
+    # Imported here: the embeddings route module builds on this one's helpers.
+    from service.embeddings_api import embeddings
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/tokenize", tokenize)

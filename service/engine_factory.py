@@ -176,7 +176,8 @@ def create_engine(args: EngineArgs) -> EngineCore:
                         prefill_only_step_tokens=args.prefill_only_step_tokens),
         vocab_size=config.vocab_size, eos_token_ids=tuple(eos),
         model_name=model_name_for(args.model),
-        generation=generation, max_logprobs=args.max_logprobs)
+        generation=generation, max_logprobs=args.max_logprobs, pooling=loaded.pooling,
+        hidden_size=config.hidden_size)
     log.info("model loaded: %s, %.1fM parameters, dtype %s, quantization %s, weights %.0f MiB, "
              "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, "
              "prefix caching %s, scheduling %s, %.1fs",

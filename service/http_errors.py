@@ -48,6 +48,9 @@ def from_invalid_request(exc: InvalidRequestError) -> APIError:
 
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+# A required top-level field left out: "Object missing required field `input`"
+# (a nested one also says where, and _PATH names that).
+_MISSING = re.compile(r"^Object missing required field `([^`]*)`$")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 
 
@@ -65,7 +68,7 @@ def from_decode_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> API
         return APIError(400, f"unknown or unsupported request field {param!r}: Baton does "
                              "not implement it (docs/serving.md lists the fields it takes)",
                         param=param)
-    match = _PATH.search(text)
+    match = _PATH.search(text) or _MISSING.search(text)
     param = match.group(1) if match else None
     if isinstance(exc, msgspec.ValidationError):
         return APIError(400, f"invalid request: {text}", param=param)

@@ -105,17 +105,18 @@ class RequestTelemetry:
     def span_context(self):
         return self.span.span_context if self.span is not None else None
 
-    def validated_request(self, params: SamplingParams | None, n: int, stream: bool,
-                          prompt_text: str | None) -> None:
+    def validated_request(self, params: SamplingParams | None, n: int, stream: bool | None,
+                          prompt_text: str | None, attributes: dict | None = None) -> None:
         """Validation and tokenization are over: open the span (backdated to
-        arrival) with the request's GenAI attributes."""
+        arrival) with the request's GenAI attributes (``attributes``: more
+        of them, by short name or OTel key; None values are left out)."""
         self.validated = time.monotonic()
         self.prompt_text = prompt_text
         self.n = n
-        self._open_span(params, n, stream)
+        self._open_span(params, n, stream, attributes)
 
     def _open_span(self, params: SamplingParams | None, n: int | None,
-                   stream: bool | None) -> None:
+                   stream: bool | None, extra: dict | None = None) -> None:
         tracing = self.obs.tracing
         if not tracing.enabled or self.span is not None:
             return
@@ -127,6 +128,7 @@ class RequestTelemetry:
                 seed=params.seed, stop_sequences=list(params.stop) or None,
                 frequency_penalty=params.frequency_penalty,
                 presence_penalty=params.presence_penalty)
+        attributes.update(extra or {})
         self.span = tracing.start_request_span(
             self.operation, self.obs.model_name, attributes, self.headers,
             start_time=monotonic_to_epoch_ns(self.arrival))

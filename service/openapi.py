@@ -7,6 +7,7 @@ import functools
 import msgspec
 
 from service import messages_protocol as m
+from service import embeddings_protocol as e
 from service import protocol as p
 from service import responses_protocol as r
 
@@ -18,6 +19,8 @@ _ROUTES = [
      p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions", "Create a chat completion (stream=true for SSE)",
      p.ChatCompletionRequest, p.ChatCompletionResponse),
+    ("post", "/v1/embeddings", "Embed strings or token ids (pooled, L2-normalised)",
+     e.EmbeddingRequest, e.EmbeddingResponse),
     ("get", "/v1/models", "List the served model", None, p.ModelList),
     ("get", "/v1/models/{model}", "The served model's card (404 for another id)", None,
      p.ModelCard),

@@ -147,6 +147,7 @@ def build_tiny_model(out: Path, tokenizer_dir: Path, arch: str, *, seed: int,
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[arch]
     config = config_cls(**{**_DIMS, "vocab_size": TOKENIZER_VOCAB_SIZE,
                            "tie_word_embeddings": tie, **overrides})
@@ -266,6 +267,10 @@ NEW_ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Four experts, two per token, renormalised; the middle layer dense.
     "qwen3_moe": dict(seed=9, tie=False, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    # Mistral's attention (a window) with four experts of 32 rows in every
+    # layer, the top two of a softmax over all four, renormalised.
+    "mixtral": dict(seed=10, tie=False, sliding_window=6, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=32),
 }
 
 

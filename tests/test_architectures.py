@@ -1,6 +1,6 @@
 """The families beyond Llama / Qwen2 / Qwen3 (conftest.NEW_ARCHITECTURES:
 Mistral with a sliding window, Phi-3 / Phi-4-mini, Gemma 2, Gemma 3,
-Qwen3-MoE) token for token against transformers in float32, through the
+Qwen3-MoE, Mixtral) token for token against transformers in float32, through the
 whole engine, with windows of a few tokens that every prompt outgrows."""
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ def test_quantized_linears(tiny_new_arch_dir, mode):
                  if kind is not None and isinstance(module, kind)}
     assert quantized == (set() if kind is None else set(layer_linears(model.config))), arch
     if model.config.moe is not None and kind is not None:
-        # q/k/v + o in 3 layers, the dense layer's MLP, 4 experts x 2 in two layers
-        assert len(quantized) == 3 * 2 + 2 + 2 * 4 * 2
+        # q/k/v + o in 3 layers; Qwen3-MoE: the dense layer's MLP and 4 experts
+        # x 2 in two layers; Mixtral: 4 experts x 2 in all three
+        dense = len(model.config.moe.dense_layers)
+        assert len(quantized) == 3 * 2 + 2 * dense + (3 - dense) * 4 * 2
         assert model.layers[0].router.dtype == torch.float32
     ids = torch.randint(3, 512, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     got = _top1_along(core, ids)

@@ -69,7 +69,7 @@ BAD_BODIES = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": "a"}', 400, "max_tokens", "int"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400, "temperature", "float"),
     ("/v1/completions", b'{"prompt": "hi", "stop": 5}', 400, "stop", "stop"),
-    ("/v1/completions", b'{"max_tokens": 3}', 400, None, "prompt"),
+    ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt", "prompt"),
     ("/v1/completions", b'[1, 2, 3]', 400, None, "object"),
     ("/v1/completions", b'{"prompt": ""}', 400, "prompt", "empty"),
     ("/v1/completions", b'{"prompt": []}', 400, "prompt", "empty"),

@@ -309,7 +309,7 @@ def test_unsupported_architecture(tiny_llama_dir: Path, tmp_path: Path) -> None:
         load_hf_folder(folder)
     assert info.value.architecture == "gpt2"
     assert info.value.supported == SUPPORTED_ARCHITECTURES
-    assert "'gpt2'" in str(info.value) and "llama, mistral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3" in str(info.value)
+    assert "'gpt2'" in str(info.value) and "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma2, gemma3" in str(info.value)
 
 
 def test_unsupported_rope_type(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -75,32 +75,43 @@ def test_config_matches_transformers(tiny_new_arch_dir: tuple[str, Path]) -> Non
                 moe.normalize_weights) == (ref.num_experts, ref.num_experts_per_tok,
                                            ref.moe_intermediate_size, ref.norm_topk_prob)
         assert moe.dense_layers == tuple(ref.mlp_only_layers) == (1,)
+    elif arch == "mixtral":
+        moe = cfg.moe
+        assert (moe.num_experts, moe.experts_per_token, moe.intermediate_size,
+                moe.normalize_weights, moe.dense_layers) == (
+            ref.num_local_experts, ref.num_experts_per_tok, ref.intermediate_size, True, ())
+        assert (moe.block, moe.projections) == ("block_sparse_moe", ("w1", "w3", "w2"))
     else:
         assert cfg.moe is None
 
 
 def test_weights_equal_transformers_state_dict(tiny_new_arch_dir: tuple[str, Path]) -> None:
-    """Every tensor bit for bit; transformers holds Qwen3-MoE's experts as
-    one [experts, 2 * intermediate, hidden] tensor per layer, the checkpoint
-    (and Baton) one gate, up and down matrix per expert."""
+    """Every tensor bit for bit; transformers holds Qwen3-MoE's and
+    Mixtral's experts as one [experts, 2 * intermediate, hidden] tensor per
+    layer, the checkpoint (and Baton) one gate, up and down matrix per expert
+    (Mixtral's w1, w3 and w2, in its block_sparse_moe module)."""
     arch, folder = tiny_new_arch_dir
     weights = load_hf_folder(folder).weights
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ref = model.state_dict()
     if model.config.tie_word_embeddings:
         ref.pop("lm_head.weight")
+    gate_name, up_name, down_name = (("w1", "w3", "w2") if arch == "mixtral"
+                                     else ("gate_proj", "up_proj", "down_proj"))
     for name, tensor in ref.items():
-        if ".mlp.experts." not in name:
+        if arch == "mixtral":
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+        if ".experts." not in name:
             assert torch.equal(weights.pop(name), tensor), name
             continue
         prefix, kind = name.rsplit(".", 1)
         for e, fused in enumerate(tensor):
             if kind == "gate_up_proj":
                 gate, up = fused.chunk(2)
-                assert torch.equal(weights.pop(f"{prefix}.{e}.gate_proj.weight"), gate)
-                assert torch.equal(weights.pop(f"{prefix}.{e}.up_proj.weight"), up)
+                assert torch.equal(weights.pop(f"{prefix}.{e}.{gate_name}.weight"), gate)
+                assert torch.equal(weights.pop(f"{prefix}.{e}.{up_name}.weight"), up)
             else:
-                assert torch.equal(weights.pop(f"{prefix}.{e}.down_proj.weight"), fused)
+                assert torch.equal(weights.pop(f"{prefix}.{e}.{down_name}.weight"), fused)
     assert not weights, sorted(weights)[:5]
 
 
@@ -136,7 +147,8 @@ def test_rotary_tables_match_transformers(tiny_new_arch_dir: tuple[str, Path]) -
 
 # ------------------------------------------------------- hub config variants
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "mistral", "qwen3_moe",
+                                  "mixtral"])
 def test_gemma_is_tied_when_config_says_nothing(new_arch_dirs, arch) -> None:
     raw = _raw(new_arch_dirs(arch))
     raw.pop("tie_word_embeddings")
@@ -181,7 +193,7 @@ def test_phi3_legacy_su_scaling(new_arch_dirs) -> None:
                         math.sqrt(1 + math.log(512 / 112) / math.log(112)))
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "phi3", "mistral"])
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "mistral", "mixtral"])
 @pytest.mark.parametrize("window, sliding", [(4096, False), (511, True)])
 def test_window_as_wide_as_the_context_is_none(new_arch_dirs, arch, window, sliding) -> None:
     """Phi-3-mini-128k's 262144-token window over a 131072-token context

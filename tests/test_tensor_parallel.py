@@ -190,8 +190,8 @@ def _core_over(core: EngineCore, scenario: str) -> EngineCore:
 # scaled embedding (after the vocabulary-parallel all-reduce) and the final
 # logit soft-cap (on the gathered logits); Phi-3: packed tensors split part
 # by part, partial rotary; Qwen3-MoE: experts split by rows, one all-reduce
-# per MoE layer.
-NEW = ("gemma2", "phi3", "qwen3_moe")
+# per MoE layer; Mixtral: the same, in every layer, under Mistral's window.
+NEW = ("gemma2", "phi3", "qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", *NEW])

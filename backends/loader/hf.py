@@ -34,6 +34,7 @@ from backends.config import (
 )
 from backends.errors import ModelLoadError, UnsupportedArchitectureError
 from backends.loader.generation_config import parse_generation_config
+from backends.loader.pooling_config import read_pooling_config
 from backends.progress import Progress
 from backends.models.weight_spec import checkpoint_shapes
 
@@ -42,6 +43,7 @@ log = logging.getLogger("baton")
 _ARCH_BY_CLASS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -67,7 +69,7 @@ _ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _GEMMA = ("gemma2", "gemma3")
 # Families whose sliding window covers every layer (when set), and those
 # whose layer_types say which layers it covers.
-_WINDOW_ON_ALL_LAYERS = ("mistral", "phi3", "qwen3_moe")
+_WINDOW_ON_ALL_LAYERS = ("mistral", "mixtral", "phi3", "qwen3_moe")
 _WINDOW_BY_LAYER_TYPE = ("gemma2", "gemma3", "qwen2", "qwen3")
 # The configuration classes' defaults where config.json may leave a field out.
 _TIED_BY_DEFAULT = _GEMMA
@@ -107,7 +109,8 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype = torch.floa
     _validate_weights(weights, sharder.local_config if sharder is not None else config)
     generation = _load_generation(folder, raw_config, tokenizer)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
-                       generation=generation, source=str(folder))
+                       generation=generation, source=str(folder),
+                       pooling=read_pooling_config(folder, raw_config))
 
 
 # ---------------------------------------------------------------- config.json
@@ -204,7 +207,8 @@ def _parse_config(raw: dict[str, Any], name: str) -> ModelConfig:
         rotary_dim=rotary_dim,
         local_rope_theta=_local_rope_theta(raw, arch),
         packed_projections=arch == "phi3",
-        moe=_moe(raw, num_layers) if arch == "qwen3_moe" else None,
+        moe=_moe(raw, num_layers) if arch == "qwen3_moe"
+        else _mixtral_moe(raw) if arch == "mixtral" else None,
     )
 
 
@@ -294,6 +298,17 @@ def _moe(raw: dict[str, Any], num_layers: int) -> MoEConfig:
                      intermediate_size=_require_int(raw, "moe_intermediate_size"),
                      normalize_weights=bool(raw.get("norm_topk_prob", False)),
                      dense_layers=tuple(sorted(dense)))
+
+
+def _mixtral_moe(raw: dict[str, Any]) -> MoEConfig:
+    """Mixtral: every layer's MLP is a mixture of num_local_experts experts
+    of intermediate_size, the top num_experts_per_tok of a softmax over all
+    of them, always renormalised (its reference divides by their sum)."""
+    return MoEConfig(num_experts=_require_int(raw, "num_local_experts"),
+                     experts_per_token=_require_int(raw, "num_experts_per_tok"),
+                     intermediate_size=_require_int(raw, "intermediate_size"),
+                     normalize_weights=True, block="block_sparse_moe",
+                     projections=("w1", "w3", "w2"))
 
 
 def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -119,7 +119,7 @@ def assemble(tensor: ModelTensor, parts: list[Any]) -> Any:
 
 def weight_spec(config: ModelConfig) -> list[ModelTensor]:
     """Every tensor of the decoder ``config`` describes (Llama, Mistral,
-    Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3)."""
+    Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3)."""
     c = config
     h = c.hidden_size
 
@@ -149,7 +149,7 @@ def weight_spec(config: ModelConfig) -> list[ModelTensor]:
         else:
             spec.append(norm(L + "post_attention_norm", P + "post_attention_layernorm.weight"))
         if c.is_moe_layer(i):
-            spec += _experts(c, L, mlp)
+            spec += _experts(c, L, P)
         else:
             spec += _mlp(c, L, mlp, c.intermediate_size)
     return spec
@@ -173,28 +173,36 @@ def _attention(c: ModelConfig, L: str, attn: str) -> list[ModelTensor]:
     return spec
 
 
-def _mlp(c: ModelConfig, L: str, mlp: str, inter: int, dense: bool = True
-         ) -> list[ModelTensor]:
-    """``dense``: the layer's MLP, not an expert."""
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mlp(c: ModelConfig, L: str, mlp: str, inter: int, dense: bool = True,
+         names: tuple[str, str, str] = _PROJECTIONS) -> list[ModelTensor]:
+    """``dense``: the layer's MLP, not an expert; ``names``: the checkpoint's
+    gate, up and down matrices."""
     h = c.hidden_size
+    gate, up, down = names
     rows, cols = (MLP_OUT, MLP_IN) if dense else (EXPERT_OUT, EXPERT_IN)
     if c.packed_projections:  # Phi-3: gate rows then up rows in one tensor
         gate_up = _t(L + "gate_up_proj.weight", (mlp + "gate_up_proj.weight", (2 * inter, h)),
                      linear=True, split=(GATE_UP_PACKED,))
     else:
-        gate_up = _t(L + "gate_up_proj.weight", (mlp + "gate_proj.weight", (inter, h)),
-                     (mlp + "up_proj.weight", (inter, h)), linear=True, split=(rows, rows))
+        gate_up = _t(L + "gate_up_proj.weight", (f"{mlp}{gate}.weight", (inter, h)),
+                     (f"{mlp}{up}.weight", (inter, h)), linear=True, split=(rows, rows))
     return [gate_up,
-            _t(L + "down_proj.weight", (mlp + "down_proj.weight", (h, inter)), linear=True,
+            _t(L + "down_proj.weight", (f"{mlp}{down}.weight", (h, inter)), linear=True,
                split=(cols,))]
 
 
-def _experts(c: ModelConfig, L: str, mlp: str) -> list[ModelTensor]:
+def _experts(c: ModelConfig, L: str, P: str) -> list[ModelTensor]:
+    """``P``: the layer's checkpoint prefix; the router and experts live in
+    its ``moe.block`` module (Qwen3-MoE's mlp, Mixtral's block_sparse_moe)."""
     moe = c.moe
-    spec = [_t(L + "router", (mlp + "gate.weight", (moe.num_experts, c.hidden_size)))]
+    block = f"{P}{moe.block}."
+    spec = [_t(L + "router", (block + "gate.weight", (moe.num_experts, c.hidden_size)))]
     for e in range(moe.num_experts):
-        spec += _mlp(c, f"{L}experts.{e}.", f"{mlp}experts.{e}.", moe.intermediate_size,
-                     dense=False)
+        spec += _mlp(c, f"{L}experts.{e}.", f"{block}experts.{e}.", moe.intermediate_size,
+                     dense=False, names=moe.projections)
     return spec
 
 

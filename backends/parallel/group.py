@@ -58,6 +58,8 @@ class ForwardRow(NamedTuple):
     start_pos: int
     block_table: list[int]
     sample: bool
+    # An embedding request's row (pooled, never sampled; backends/pooling.py).
+    pool: bool = False
 
 
 class TensorParallelGroup:
@@ -228,7 +230,8 @@ class TensorParallelGroup:
     def broadcast_step(self, rows, spans: list[tuple[int, int]]) -> None:
         """Rank 0: send this step's rows (in batch order) and the row spans
         whose prompt logprobs it computes to every other rank."""
-        message = ([ForwardRow(r.token_ids, r.start_pos, r.block_table, r.sample)
+        message = ([ForwardRow(r.token_ids, r.start_pos, r.block_table, r.sample,
+                               getattr(r, "pooling", None) is not None)
                     for r in rows], spans)
         self._collective("the step broadcast", dist.broadcast_object_list, [message],
                          src=0, group=self.control)
