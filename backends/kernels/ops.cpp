@@ -57,11 +57,9 @@ extern "C" {
   int baton_linear_amx_bf16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
                                    uint16_t*, int64_t, int64_t, int64_t, int);
 BATON_DECLARE(portable)
-#ifndef BATON_PORTABLE_ONLY
 BATON_DECLARE(avx2)
 BATON_DECLARE(avx512)
 BATON_DECLARE(avx512_bf16)
-#endif
 }
 
 namespace {
@@ -70,11 +68,32 @@ namespace {
 constexpr int kNumKinds = 4;
 const char* const kKindNames[kNumKinds] = {"portable", "avx2", "avx512", "avx512_bf16"};
 
-#ifdef BATON_PORTABLE_ONLY  // not x86-64: the other kinds are never run (cpu_runs)
-#define BATON_TABLE(fn) {fn##_portable, fn##_portable, fn##_portable, fn##_portable}
+// The library holds the kinds it was built for (backends/kernels: those the
+// building CPU runs, or all with BATON_KERNEL_KINDS=all), each announced by
+// -DBATON_HAS_<KIND>; a kind it lacks has no entries and is refused.
+#ifdef BATON_HAS_AVX2
+#define BATON_AVX2(fn) fn##_avx2
+constexpr bool kHasAvx2 = true;
 #else
-#define BATON_TABLE(fn) {fn##_portable, fn##_avx2, fn##_avx512, fn##_avx512_bf16}
+#define BATON_AVX2(fn) nullptr
+constexpr bool kHasAvx2 = false;
 #endif
+#ifdef BATON_HAS_AVX512
+#define BATON_AVX512(fn) fn##_avx512
+constexpr bool kHasAvx512 = true;
+#else
+#define BATON_AVX512(fn) nullptr
+constexpr bool kHasAvx512 = false;
+#endif
+#ifdef BATON_HAS_AVX512_BF16
+#define BATON_AVX512_BF16(fn) fn##_avx512_bf16
+constexpr bool kHasAvx512Bf16 = true;
+#else
+#define BATON_AVX512_BF16(fn) nullptr
+constexpr bool kHasAvx512Bf16 = false;
+#endif
+#define BATON_TABLE(fn) {fn##_portable, BATON_AVX2(fn), BATON_AVX512(fn), BATON_AVX512_BF16(fn)}
+constexpr bool kind_built[] = {true, kHasAvx2, kHasAvx512, kHasAvx512Bf16};
 decltype(&baton_rms_norm_f32_portable) const rms_norm_f32[] = BATON_TABLE(baton_rms_norm_f32);
 decltype(&baton_rms_norm_bf16_portable) const rms_norm_bf16[] =
     BATON_TABLE(baton_rms_norm_bf16);
@@ -101,7 +120,7 @@ decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
     BATON_TABLE(baton_linear_amx_bf16);
 
 bool cpu_runs(int kind) {
-#if defined(BATON_PORTABLE_ONLY) || !(defined(__x86_64__) || defined(__i386__))
+#if !(defined(__x86_64__) || defined(__i386__))
   return kind == 0;
 #endif
   switch (kind) {
@@ -117,7 +136,9 @@ bool cpu_runs(int kind) {
 
 int check_kind(int64_t kind) {
   TORCH_CHECK(kind >= 0 && kind < kNumKinds, "baton: unknown CPU kind ", kind);
-  static const bool runs[kNumKinds] = {cpu_runs(0), cpu_runs(1), cpu_runs(2), cpu_runs(3)};
+  static const bool runs[kNumKinds] = {cpu_runs(0), cpu_runs(1) && kind_built[1],
+                                       cpu_runs(2) && kind_built[2],
+                                       cpu_runs(3) && kind_built[3]};
   TORCH_CHECK(runs[kind], "baton: this CPU cannot run the ", kKindNames[kind], " kernels");
   return static_cast<int>(kind);
 }
@@ -460,7 +481,9 @@ at::Tensor linear_tiled(const at::Tensor& x, const at::Tensor& w_tiled,
 
 bool amx_ready(int64_t kind) { return kind_runs(kind) && amx_ready_fn[kind](); }
 
-bool kind_runs(int64_t kind) { return kind >= 0 && kind < kNumKinds && cpu_runs(kind); }
+bool kind_runs(int64_t kind) {
+  return kind >= 0 && kind < kNumKinds && kind_built[kind] && cpu_runs(kind);
+}
 
 }  // namespace
 
