@@ -124,15 +124,17 @@ class CompiledStep:
                           meta.seq_lens, logits_index, meta.block_size)
         return logits[:picked] if picked < logits.shape[0] else logits
 
-    def warm_up(self, block_size: int, device: torch.device, progress: bool = True) -> float:
-        """Build (or load from the cache) the one-token and many-token
-        graphs by running each once on a dummy step that writes block 0's
-        first slots (the pool is idle: nothing reads them before a request
-        writes its own). Returns the seconds it took."""
+    def warm_up(self, block_size: int, device: torch.device, progress: bool = True,
+                one_token: bool = True) -> float:
+        """Build (or load from the cache) the many-token graph and, with
+        ``one_token``, the one-token graph, by running each once on a dummy
+        step that writes block 0's first slots (the pool is idle: nothing
+        reads them before a request writes its own). Returns the seconds it
+        took."""
         start = time.perf_counter()
         with heartbeat(f"compiling the model's step (cache {self.cache_dir})",
                        enabled=progress):
-            for t in (1, 2):
+            for t in (1, 2) if one_token else (2,):
                 ids = torch.zeros(t, dtype=torch.long, device=device)
                 meta = TokenRowsMetadata(
                     torch.arange(t, device=device), torch.zeros(t, 2, dtype=torch.long,

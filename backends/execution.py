@@ -46,8 +46,6 @@ from backends.errors import ModelLoadError
 CPU_KINDS = ("portable", "avx2", "avx512", "avx512_bf16")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZED_LINEARS = ("int8", "int4", "gguf")
-# GGML types the gguf mode keeps as int4 groups (backends/quantization/ggml.py)
-INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # Rows the AMX tile linear (backends/kernels/amx_bf16.c) takes per call
 # (linear bf16-amx+onednn): every call of up to AMX_PREFILL_ROWS rows,
 # decode batches and prefill chunks alike. Measured against oneDNN's bf16
@@ -177,10 +175,6 @@ class Availability:
     native_kernels: frozenset[str] = frozenset()
     onednn_dtypes: frozenset[str] = frozenset()
     reason: str = ""  # why native kernels are missing, for the log
-    # How torch's CPU int4 kernel rounds here (backends.kernels.torch_int4_form:
-    # "avx512" or "avx2", the forms the native int4 gemv reproduces), or the
-    # capability it runs at when it is neither ("default", ...).
-    torch_int4: str = "avx512"
     amx_tiles: bool = False  # the avx512_bf16 kernels' AMX tile linear runs here
     # A C++ compiler for torch.compile's generated code (Inductor builds it
     # at run time; the native kernels may have been built elsewhere).
@@ -216,7 +210,6 @@ class ExecutionPlan:
     shared_prefix_decode: str = "none"
     activation: str = "torch"        # act(gate)*up: native | torch
     whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
-    whole_step_weights: str = "bf16"  # what it streams: bf16 tiles | int4 panels
     # Max rows of the AMX tile linear (linear bf16-amx+onednn: every call of
     # 1 to this many rows); 0 off.
     amx_linear_rows: int = 0
@@ -271,8 +264,7 @@ class ExecutionPlan:
             parts.append(f"experts {self.moe}")
         parts.append(f"decode steps {self.step}")
         if self.whole_step_decode:
-            parts.append(f"whole-step decode <= {self.whole_step_decode} rows"
-                         + (" of int4 panels" if self.whole_step_weights == "int4" else ""))
+            parts.append(f"whole-step decode <= {self.whole_step_decode} rows")
         if self.amx_linear_rows:
             parts.append(f"amx-tile linear <= {self.amx_linear_rows} rows")
         if self.quantization != "none":
@@ -419,26 +411,10 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # layer-by-layer path rounds): there is no point between layers for a
     # tensor-parallel all-reduce.
     whole_step = 4 if native and linear == "bf16-gemv+onednn" else 0
-    # Int4 projections (int4, or a GGUF's Q4_0 / Q4_1 / Q4_K) stream a
-    # second copy in the native int4 gemv's panels, multiplied bit-identically
-    # to torch's int4 kernel: possible where that kernel's rounding is one the
-    # gemv reproduces (torch at AVX-512 or AVX2).
-    whole_weights = "bf16"
-    if native and (quantization == "int4" or (
-            quantization == "gguf" and weight_formats and weight_formats <= INT4_FORMATS)):
-        if available.torch_int4 in ("avx512", "avx2"):
-            whole_step, whole_weights = 4, "int4"
-        else:
-            notes.append(f"no whole-step decode (torch's int4 kernel at capability "
-                         f"{available.torch_int4} rounds as no native gemv does)")
-    elif native and quantization == "gguf" and weight_formats:
-        notes.append(f"no whole-step decode (projections {'+'.join(sorted(weight_formats))} "
-                     f"are not all 4-bit groups)")
     # Decode batches above the gemv's rows: the AMX tile linear on the same
     # tiles (bf16 activations only; same rounding as oneDNN's bf16 linear).
     amx_rows = (AMX_PREFILL_ROWS if whole_step and activation == "bfloat16" and cpu.amx_bf16
-                and kernels == "avx512_bf16" and available.amx_tiles and options.amx
-                and whole_weights == "bf16" else 0)
+                and kernels == "avx512_bf16" and available.amx_tiles and options.amx else 0)
     # On AMX the tile linear takes prefill chunks too (up to
     # AMX_PREFILL_ROWS rows a call), off the same tiles, and the gemv's few
     # rows: a row's bits then never depend on how many rows share its call
@@ -475,7 +451,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         decode_attention="native" if native else "torch-sdpa",
         shared_prefix_decode="cascade" if native else "none",
         activation="native" if native else "torch",
-        whole_step_decode=whole_step, whole_step_weights=whole_weights,
+        whole_step_decode=whole_step,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,
         attention_scores="amx" if amx_attention else "",

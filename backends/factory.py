@@ -63,7 +63,6 @@ def probe_availability(device: str, cpu: CpuFeatures,
     amx = ok and cpu.amx_bf16 and kernels.amx_ready(cpu.kind)[0]
     return Availability(native_kernels=frozenset({cpu.kind}) if ok else frozenset(),
                         onednn_dtypes=onednn, reason=reason,
-                        torch_int4=torch.backends.cpu.get_cpu_capability().lower(),
                         amx_tiles=amx, cpp_compiler=cpp_compiler_found())
 
 

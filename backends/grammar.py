@@ -35,7 +35,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from backends.errors import ConstraintError, InvalidRequestError
+from backends.errors import ConstraintError
 from backends.grammar_cache import GrammarCache, heap_bytes_in_use
 from backends.interface import StructuredOutputSpec
 

@@ -149,8 +149,7 @@ class TorchBackend:
                 self.quantization, self.model_config, projection_formats(loaded.source_formats))
             if why and (parallel is None or parallel.rank == 0):
                 log.info(why)
-            load_quantized(self.model, loaded.weights, self.quantization, self.device, act,
-                           int4_panels=self._int4_whole_step)
+            load_quantized(self.model, loaded.weights, self.quantization, self.device, act)
         else:
             weights = loaded.weights
             if plan.weight_dtype != plan.activation_dtype:
@@ -219,71 +218,50 @@ class TorchBackend:
         else:
             self._shared_generator.manual_seed(seed)
         if self._compiled is not None:
+            # Steps of one token go to the whole-step decode where there is one.
             self.compile_seconds = self._compiled.warm_up(
-                block_size, self.device, progress=parallel is None or parallel.rank == 0)
-
-    @property
-    def _int4_whole_step(self) -> bool:
-        return bool(self.plan.whole_step_decode) and self.plan.whole_step_weights == "int4"
+                block_size, self.device, progress=parallel is None or parallel.rank == 0,
+                one_token=self._whole_step is None)
 
     def _native_decode(self, kind: str | None = None):
-        """The whole-step native decode for a few sequences: bf16 weights (the
-        linears' tiles) or int4 ones (the Int4Linears' panels), float32 or
-        bf16 activations, the plan's kernel kind (tests force the lower kinds'
-        builds). Logs what the tiles cost in memory beside the layer path's
-        copy (oneDNN's packed one, or torch's int4 one)."""
-        from backends.kernels import DecodeBf16, DecodeLayerWeights, torch_int4_form
+        """The whole-step native decode for a few token rows: the linears'
+        bf16 tiles, float32 or bf16 activations, the plan's kernel kind
+        (tests force the lower kinds' builds). Logs what the tiles cost in
+        memory beside oneDNN's packed copy."""
+        from backends.kernels import DecodeBf16, DecodeLayerWeights
         c, m = self.config, self.model
-        int4 = self._int4_whole_step
-        attr = "panels" if int4 else "weight_tiled"
 
         def f32(t):  # norms and bias: float32 (bf16 values widen exactly)
             return None if t is None else t.detach().float().contiguous()
         layers = [
             DecodeLayerWeights(
                 input_norm=f32(layer.input_norm), post_norm=f32(layer.post_attention_norm),
-                qkv=getattr(layer.qkv_proj, attr), o=getattr(layer.o_proj, attr),
-                gate_up=getattr(layer.gate_up_proj, attr), down=getattr(layer.down_proj, attr),
+                qkv=layer.qkv_proj.weight_tiled, o=layer.o_proj.weight_tiled,
+                gate_up=layer.gate_up_proj.weight_tiled, down=layer.down_proj.weight_tiled,
                 k_cache=k, v_cache=v, qkv_bias=f32(layer.qkv_proj.bias),
                 q_norm=f32(layer.q_norm), k_norm=f32(layer.k_norm))
             for layer, (k, v) in zip(m.layers, self.kv_caches)]
-        group = form = 0
-        if int4:
-            groups = {getattr(layer, name).group_size for layer in m.layers
-                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-            form = torch_int4_form()
-            if len(groups) != 1 or form is None:
-                raise RuntimeError(f"the int4 whole-step decode needs one group size (got "
-                                   f"{sorted(groups)}) and torch's int4 kernel at AVX-512 "
-                                   f"or AVX2")
-            group = groups.pop()
         tiles = sum(t.numel() * t.element_size() for w in layers
                     for t in (w.qkv, w.o, w.gate_up, w.down))
         if self.parallel is None or self.parallel.rank == 0:
-            if int4:
-                log.info("whole-step decode for up to %d rows streams the layers' int4 "
-                         "panels (groups of %d, torch's %s rounding): %.0f MB beside torch's "
-                         "int4 copy", self.plan.whole_step_decode, group,
-                         ("avx512", "avx2")[form], tiles / 2**20)
-            else:
-                log.info("whole-step decode for up to %d rows streams the layers' tiled bf16 "
-                         "weights: %.0f MB beside oneDNN's packed copy",
-                         self.plan.whole_step_decode, tiles / 2**20)
+            log.info("whole-step decode for up to %d rows streams the layers' tiled bf16 "
+                     "weights: %.0f MB beside oneDNN's packed copy",
+                     self.plan.whole_step_decode, tiles / 2**20)
         return DecodeBf16(
             kind or self.plan.kernels, hidden=c.hidden_size, num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             intermediate=c.intermediate_size, block_size=self.block_size,
             eps=c.rms_norm_eps, cos_table=m.cos_table, sin_table=m.sin_table,
             final_norm=f32(m.norm), layers=layers,
-            activation_dtype=DTYPES[self.plan.activation_dtype], int4_group=group,
-            int4_form=form, amx=self._whole_step_amx(kind, int4))
+            activation_dtype=DTYPES[self.plan.activation_dtype],
+            amx=self._whole_step_amx(kind))
 
-    def _whole_step_amx(self, kind: str | None, int4: bool) -> bool:
+    def _whole_step_amx(self, kind: str | None) -> bool:
         """Whether the whole-step decode's linears run on AMX tiles: where the
         plan gives decode batches to the AMX tile linear (bf16 on a CPU and
         OS with AMX tile data) and the decode runs that plan's kernels. Its
         rows then get what the layer path's AMX tile linear gives them."""
-        return (bool(self.plan.amx_linear_rows) and not int4
+        return (bool(self.plan.amx_linear_rows)
                 and (kind or self.plan.kernels) == self.plan.kernels
                 and self.plan.activation_dtype == "bfloat16")
 
@@ -417,15 +395,16 @@ class TorchBackend:
             # The sampled rows' logits, in the activation dtype.
             meta = filled.token_rows
             whole = self._whole_step
-            if self._compiled is not None:
-                logits = self._compiled(filled.input_ids, filled.positions, meta, logits_index)
-            elif whole is not None and len(rows) == filled.input_ids.shape[0] <= whole.max_rows:
-                # A decode step of a few rows: the whole-step native decode.
+            if whole is not None and filled.input_ids.shape[0] <= whole.max_rows:
+                # A step of a few tokens (decodes, a verification row): the
+                # whole-step native decode, one call for every layer.
                 hidden = whole(self.model.embed(filled.input_ids), filled.positions,
                                meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                meta.block_tables.shape[1] * meta.block_size)
                 logits = self.model.compute_logits(hidden.index_select(0, logits_index),
                                                    float32=False)
+            elif self._compiled is not None:
+                logits = self._compiled(filled.input_ids, filled.positions, meta, logits_index)
             else:
                 out_rows = _out_rows(logits_index, filled.input_ids.shape[0], spans)
                 hidden = self.model(filled.input_ids, filled.positions, self.kv_caches,

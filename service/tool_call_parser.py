@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 
 from service.json_scan import ObjectScan
-from service.tool_calls import GENERIC, HERMES, LLAMA3_JSON, ToolPlan, new_call_id
+from service.tool_calls import HERMES, LLAMA3_JSON, ToolPlan, new_call_id
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"

@@ -67,8 +67,7 @@ def kernel(kind):
 def test_each_kind_is_built_for_its_instruction_set(kind):
     """The portable build has no AVX2 code; the others do (the library holds
     every kind, the plan picks one at run time; never -march=native)."""
-    has_avx2 = getattr(native.library(), f"baton_kernels_avx2_{kind}")
-    assert has_avx2() == (kind != "portable")
+    assert torch.ops.baton.kind_has_avx2(native.kind_id(kind)) == (kind != "portable")
     assert "-march=native" not in " ".join(f for fl in native.KIND_FLAGS.values() for f in fl)
 
 
@@ -710,12 +709,21 @@ class _CountingDecode:
         self.rows.append(hidden.shape[0])
         return self.whole_step(hidden, *args)
 
+def _whole_step_rows(prompts: list[list[int]], decodes: int, max_rows: int) -> list[int]:
+    """The token counts of the steps of _run(prompts, decodes) the
+    whole-step decode takes: those of up to max_rows tokens (the prefill of
+    every prompt in one step, then the decode steps of one row each)."""
+    prefill = sum(len(p) for p in prompts)
+    return (([prefill] if prefill <= max_rows else [])
+            + ([len(prompts)] * decodes if len(prompts) <= max_rows else []))
+
+
 def _assert_whole_step_matches_layers(fast, layered, kind, *, seed: int, vocab_hi: int,
                                       sizes: tuple[int, ...] = (1, 4, 5)) -> None:
     """Runs batches of each of `sizes` prompts on `fast` with kind's
     whole-step decode and on `layered` without one: the same greedy tokens,
-    logprobs within 0.01, and the whole step taken for every decode step of
-    up to its max_rows rows (4; 32 on AMX tiles) and never for more."""
+    logprobs within 0.01, and the whole step taken for every step of up to
+    its max_rows tokens (4; 32 on AMX tiles) and never for more."""
     whole = _CountingDecode(fast._native_decode(kind))
     fast._whole_step = whole
     layered._whole_step = None
@@ -729,8 +737,7 @@ def _assert_whole_step_matches_layers(fast, layered, kind, *, seed: int, vocab_h
         ids_b, lp_b = _run(layered, prompts[:n], 8)
         assert ids_a == ids_b
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
-        steps = 9 if n == 1 else 8
-        assert whole.rows == ([n] * steps if n <= whole.max_rows else [])
+        assert whole.rows == _whole_step_rows(prompts[:n], 8, whole.max_rows)
 
 
 
@@ -771,10 +778,9 @@ def test_bf16_weights_mode_agrees_with_its_torch_path(request, arch):
         # sits at a bf16 rounding boundary that becomes one bf16 ulp (2^-9
         # relative), hence a looser bound than the float32 cache's 1e-4.
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-3, rtol=0)
-        # Every decode step of up to four rows was native; so was the first
-        # step of a lone one-token prompt (a decode at position 0).
-        steps = 9 if n == 1 else 8
-        assert counting.rows == ([n] * steps if n <= counting.max_rows else [])
+        # Every step of up to four tokens was native (a prefill of a few
+        # tokens too: each token is a row that attends to its own context).
+        assert counting.rows == _whole_step_rows(rows, 8, counting.max_rows)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -23,14 +23,12 @@ compiler (``$CC``/``cc``, ``$CXX``/``c++``); without them ``load`` returns
 None and says why, and the execution plan chooses the torch ops. OpenMP resolves to the libgomp torch has already
 loaded, so kernels share torch's thread pool.
 
-The whole-step bf16 decode (decode_bf16.c) is called through ctypes: it
-takes a table of every layer's weights, which a dispatcher schema would
-spell as dozens of tensor lists for no gain.
+The whole-step bf16 decode (decode_bf16.c) is an operator too
+(``baton::decode_step``), taking every layer's tensors as one list.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
@@ -53,9 +51,9 @@ log = logging.getLogger("baton.kernels")
 
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
-    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "gemv_q4.c", "decode_bf16.c",
+    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "decode_bf16.c",
     "amx_bf16.c")]
-_HEADERS = [_HERE / "kernels.h"]
+_HEADERS = [_HERE / "kernels.h", _HERE / "model.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
 # Kinds in the order ops.cpp numbers them (backends.execution.CPU_KINDS).
@@ -260,16 +258,6 @@ def kind_id(kind: str) -> int:
     return KINDS.index(kind)
 
 
-def library() -> ctypes.CDLL:
-    """The loaded library through ctypes (plain C entry points)."""
-    path, reason = load()
-    if path is None:
-        raise RuntimeError(f"native CPU kernels unavailable: {reason}")
-    if "cdll" not in _state:
-        _state["cdll"] = ctypes.CDLL(str(path))
-    return _state["cdll"]  # type: ignore[return-value]
-
-
 def _register_fakes() -> None:
     """Shapes and dtypes of each operator's result without running it, for
     torch.compile and meta tensors."""
@@ -356,54 +344,6 @@ class GemvBf16:
         return torch.ops.baton.gemv_bf16(x.contiguous(), w_tiled, out_features, bias, self.kind)
 
 
-def torch_int4_form() -> int | None:
-    """How torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) dequantizes
-    in this process, as gemv_q4.c numbers it: 0 at torch's AVX-512
-    capability (w = fma(q - 8, scale, zero)), 1 at AVX2 (w = fma(q, scale,
-    fma(scale, -8, zero))); None for any other capability (its scalar loop
-    rounds products and sums apart), where no native int4 gemv reproduces it."""
-    capability = torch.backends.cpu.get_cpu_capability().upper()
-    return {"AVX512": 0, "AVX2": 1}.get(capability)
-
-
-class GemvQ4:
-    """y = x @ W^T (+ bias) for up to ``max_rows`` bfloat16 rows and int4
-    weights in the native panels (``backends.quantization.int4.int4_panels``),
-    bit-identical to Int4Linear (torch's int4 kernel) with bfloat16
-    activations: y = bf16(bf16(x @ W^T) + bias). ``form``: torch_int4_form()."""
-
-    max_rows = 4  # BATON_GEMV_MAX_ROWS
-
-    def __init__(self, kind: str, form: int) -> None:
-        ok, reason = available(kind)
-        if not ok:
-            raise RuntimeError(reason)
-        self.form = form
-        self._fn = getattr(library(), f"baton_gemv_q4_{kind}")
-        self._fn.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int]
-        self._fn.restype = ctypes.c_int
-
-    def __call__(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.dim() != 2:
-            raise ValueError(f"GemvQ4 takes bfloat16 rows [M, K], got {x.dtype} {tuple(x.shape)}")
-        m, k = x.shape
-        expected = (-(-out_features // 64), k // group_size, 32 * group_size + 256)
-        if panels.dtype != torch.uint8 or tuple(panels.shape) != expected:
-            raise ValueError(f"int4 panels of shape {tuple(panels.shape)} do not hold a "
-                             f"{out_features}x{k} matrix in groups of {group_size}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != out_features):
-            raise ValueError("GemvQ4's bias is bfloat16 [out_features]")
-        x = x.contiguous()
-        y = x.new_empty(m, out_features)
-        rc = self._fn(x.data_ptr(), panels.data_ptr(), _ptr(bias), y.data_ptr(), m,
-                      out_features, k, group_size, self.form, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"gemv_q4 refused {m} rows of width {k}, group {group_size} "
-                               f"(code {rc})")
-        return y
-
-
 def amx_ready(kind: str) -> tuple[bool, str]:
     """Whether ``kind``'s kernels have the AMX tile linear here: only the
     avx512_bf16 build has it, and it needs AMX-BF16 and the OS's leave to use
@@ -427,10 +367,7 @@ def attention_amx(kind: str, mode: int = -1) -> bool:
     ok, _ = available(kind)
     if not ok:
         return False
-    fn = getattr(library(), f"baton_attention_amx_{kind}")
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return bool(fn(int(mode)))
+    return bool(torch.ops.baton.attention_amx(kind_id(kind), int(mode)))
 
 
 class LinearAmx:
@@ -451,41 +388,11 @@ class LinearAmx:
         return torch.ops.baton.linear_amx(x.contiguous(), w_tiled, out_features, bias, self.kind)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _kv_bf16(cache: torch.Tensor) -> int:
-    if cache.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"native kernels take a float32 or bfloat16 KV cache, not {cache.dtype}")
-    return int(cache.dtype == torch.bfloat16)
-
-
-_p = ctypes.c_void_p
-_i64 = ctypes.c_int64
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, _p) for name in (
-        "input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm",
-        "qkv_w", "o_w", "gate_up_w", "down_w", "k_cache", "v_cache")]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [*[(name, _i64) for name in (
-        "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-        "block_size", "kv_bf16", "act_bf16")],
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("cos_table", _p), ("sin_table", _p), ("final_norm", _p), ("layers", _p),
-        ("int4_group", _i64), ("int4_form", _i64), ("amx", _i64)]
-
-
 @dataclass(frozen=True)
 class DecodeLayerWeights:
     """One layer's tensors for ``DecodeBf16``: norms and bias float32 (bf16
     values widened, for bf16 activations); caches float32 or bfloat16 (all
-    layers alike); matrices tiled bfloat16 (``GemvBf16.tile``) or, for a
-    DecodeBf16 of int4 weights, int4 panels (``int4_panels``); bias and q/k
+    layers alike); matrices tiled bfloat16 (``GemvBf16.tile``); bias and q/k
     norms optional."""
 
     input_norm: torch.Tensor
@@ -500,103 +407,77 @@ class DecodeLayerWeights:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """In decode_step's order (model.h's baton_layer); an empty tensor
+        for an absent one."""
+        none = torch.empty(0)
+        return [self.input_norm, self.post_norm,
+                none if self.qkv_bias is None else self.qkv_bias,
+                none if self.q_norm is None else self.q_norm,
+                none if self.k_norm is None else self.k_norm,
+                self.qkv, self.o, self.gate_up, self.down, self.k_cache, self.v_cache]
+
 
 class DecodeBf16:
-    """A whole decode step (every layer and the final norm) in one native call,
-    for up to ``max_rows`` single-token rows and bfloat16 weights
-    (decode_bf16.c), or int4 ones (``int4_group`` > 0: the layers' matrices
-    are int4 panels in groups of that size, multiplied bit-identically to
-    torch's int4 kernel of form ``int4_form``, see torch_int4_form). ``activation_dtype`` float32: float32 arithmetic and
-    activations (the bf16-weights mode of CPUs without native bf16);
-    bfloat16: every activation rounded to bf16 where the layer-by-layer bf16
-    path rounds it (CPUs with native bf16). Holds references to every tensor
-    it points at; the final norm and the layers' norms and bias are float32,
-    the rotary tables [positions, head_dim] in the activation dtype. ``amx``
-    (bf16 weights and activations, where ``amx_ready(kind)``): the linears on
-    AMX tiles, each row's result the AMX tile linear's (LinearAmx) to the bit,
-    instead of the vector gemv."""
+    """A whole decode step (every layer and the final norm) in one native call
+    (``baton::decode_step``, decode_bf16.c), for up to ``max_rows`` token rows
+    (each token attending to its own context length: decodes, or a row's few
+    tokens) and bfloat16 weights. ``activation_dtype`` float32: float32
+    arithmetic and activations (the bf16-weights mode of CPUs without native
+    bf16); bfloat16: every activation rounded to bf16 where the
+    layer-by-layer bf16 path rounds it (CPUs with native bf16). Holds
+    references to every tensor it reads; the final norm and the layers' norms
+    and bias are float32, the rotary tables [positions, head_dim] in the
+    activation dtype. ``amx`` (bf16 weights and activations, where
+    ``amx_ready(kind)``): the linears on AMX tiles, each row's result the AMX
+    tile linear's (LinearAmx) to the bit, instead of the vector gemv."""
 
     def __init__(self, kind: str, *, hidden: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate: int, block_size: int, eps: float,
                  cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
                  layers: list[DecodeLayerWeights],
-                 activation_dtype: torch.dtype = torch.float32,
-                 int4_group: int = 0, int4_form: int = 0, amx: bool = False) -> None:
+                 activation_dtype: torch.dtype = torch.float32, amx: bool = False) -> None:
         if activation_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"DecodeBf16 computes float32 or bfloat16 activations, "
                              f"not {activation_dtype}")
-        self.activation_dtype = activation_dtype
-        if int4_group and (int4_group % 2 or int4_form not in (0, 1)):
-            raise ValueError(f"int4 panels need an even group size and form 0 or 1, got "
-                             f"{int4_group} and {int4_form}")
         if cos_table.dtype != activation_dtype or sin_table.dtype != activation_dtype:
             raise ValueError("DecodeBf16's rotary tables must be in the activation dtype")
         ok, reason = available(kind)
         if not ok:
             raise RuntimeError(reason)
         if amx:
-            if int4_group or activation_dtype != torch.bfloat16:
+            if activation_dtype != torch.bfloat16:
                 raise ValueError("the whole-step decode runs AMX tiles for bf16 weights "
                                  "and activations only")
             ok, reason = amx_ready(kind)
             if not ok:
                 raise RuntimeError(reason)
+        self.activation_dtype = activation_dtype
         self.amx = amx
-        lib = library()
-        sizes = getattr(lib, f"baton_decode_bf16_struct_sizes_{kind}")
-        sizes.argtypes = [ctypes.POINTER(_i64), ctypes.POINTER(_i64)]
-        layer_size, model_size = _i64(), _i64()
-        sizes(ctypes.byref(layer_size), ctypes.byref(model_size))
-        if (layer_size.value, model_size.value) != (ctypes.sizeof(_Layer), ctypes.sizeof(_Model)):
-            raise RuntimeError("decode_bf16.c and its ctypes mirror disagree on struct layout")
-        self._fn = getattr(lib, f"baton_decode_bf16_{kind}")
-        self._fn.argtypes = [_p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
-        self._fn.restype = ctypes.c_int
+        self.kind = kind_id(kind)
         # decode_bf16.c's BATON_WHOLE_STEP_AMX_ROWS with AMX tiles (the
         # many-row tile linear, bf16 attention scores), else the gemv's rows
         self.max_rows = WHOLE_STEP_AMX_ROWS if amx else GemvBf16.max_rows
         self.hidden = hidden
-        tensors = [cos_table, sin_table, final_norm]
-        for w in layers:
-            tensors.extend(t for t in vars(w).values() if t is not None)
-        for t in tensors:
+        self._layers = [t for w in layers for t in w.tensors()]
+        for t in [cos_table, sin_table, final_norm, *self._layers]:
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError("DecodeBf16 needs contiguous CPU tensors")
-        self._keep = (tensors, layers)
-        self._layers = (_Layer * len(layers))(*[
-            _Layer(input_norm=w.input_norm.data_ptr(), post_norm=w.post_norm.data_ptr(),
-                   qkv_bias=_ptr(w.qkv_bias), q_norm=_ptr(w.q_norm), k_norm=_ptr(w.k_norm),
-                   qkv_w=w.qkv.data_ptr(), o_w=w.o.data_ptr(), gate_up_w=w.gate_up.data_ptr(),
-                   down_w=w.down.data_ptr(), k_cache=w.k_cache.data_ptr(),
-                   v_cache=w.v_cache.data_ptr())
-            for w in layers])
-        self._model = _Model(
-            num_layers=len(layers), hidden=hidden, num_heads=num_heads,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate=intermediate,
-            block_size=block_size, kv_bf16=_kv_bf16(layers[0].k_cache) if layers else 0,
-            act_bf16=int(activation_dtype == torch.bfloat16),
-            eps=eps, scale=head_dim ** -0.5,
-            cos_table=cos_table.data_ptr(), sin_table=sin_table.data_ptr(),
-            final_norm=final_norm.data_ptr(), layers=ctypes.addressof(self._layers),
-            int4_group=int4_group, int4_form=int4_form, amx=int(amx))
+        self._tables = (cos_table, sin_table, final_norm)
+        self._dims = [hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size]
+        self._eps = eps
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  ctx_lens: torch.Tensor, max_ctx: int) -> torch.Tensor:
-        """hidden [M, hidden] embeddings in the activation dtype (a float32
-        one is overwritten: the residual stream) -> final-normed hidden [M,
-        hidden] in that dtype. positions, slot_mapping, ctx_lens [M] and
-        block_tables [M, NB] int64."""
+        """hidden [M, hidden] embeddings in the activation dtype -> the
+        final-normed hidden [M, hidden] in that dtype. positions,
+        slot_mapping, ctx_lens [M] and block_tables [M, NB] int64."""
         if hidden.dtype != self.activation_dtype:
             raise ValueError(f"DecodeBf16 expects {self.activation_dtype} rows, "
                              f"got {hidden.dtype}")
-        m = hidden.shape[0]
-        # bf16 rows widen exactly; the step keeps them as float32 bf16 values.
-        hidden = hidden.float().contiguous()
-        out = torch.empty_like(hidden)
-        rc = self._fn(ctypes.byref(self._model), hidden.data_ptr(), m, positions.data_ptr(),
-                      slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                      ctx_lens.data_ptr(), max_ctx, out.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"native decode step failed (code {rc}) for {m} rows")
-        return out.to(self.activation_dtype)
+        cos, sin, final = self._tables
+        return torch.ops.baton.decode_step(
+            hidden.contiguous(), positions, slot_mapping, block_tables, ctx_lens, max_ctx,
+            self._layers, cos, sin, final, self._dims, self._eps,
+            self.activation_dtype == torch.bfloat16, self.amx, self.kind)

@@ -36,12 +36,10 @@
  * products of a bf16 copy of q (on AMX tiles), one task a row once there
  * are two rows a thread, as baton_paged_decode_attention_bf16 takes them.
  *
- * With int4 weights (int4_group > 0: int4 and Q4 GGUF projections) the four
- * matrices are gemv_q4.c's panels instead, multiplied as torch's int4 kernel
- * multiplies (each linear's input and output rounded to bf16, bias added
- * after that rounding), in float32 or bf16 activations alike. Norm weights
- * and bias are passed as float32 either way (bf16 values widened, for
+ * Norm weights and bias are passed as float32 (bf16 values widened, for
  * act_bf16); the rotary tables are the model's own, bf16 for act_bf16.
+ * ops.cpp's baton::decode_step builds the model's description (kernels.h's
+ * baton_model) from the tensors it is given.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -49,37 +47,6 @@
 #include <string.h>
 
 #include "kernels.h"
-
-typedef struct {
-    const float *input_norm, *post_norm, *qkv_bias, *q_norm, *k_norm;  /* bias, q/k norms may be NULL */
-    const uint16_t *qkv_w, *o_w, *gate_up_w, *down_w;  /* tiled bf16, or int4 panels */
-    void *k_cache, *v_cache;                     /* [slots, KVH, D], float32 or bf16 */
-} baton_layer;
-
-typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-    int64_t kv_bf16;                                                    /* cache dtype */
-    int64_t act_bf16;                               /* activations rounded to bf16 */
-    float eps, scale;
-    const void *cos_table, *sin_table;    /* [positions, D]: float32, bf16 for act_bf16 */
-    const float *final_norm;
-    const baton_layer *layers;
-    /* > 0: the layers' four matrices are int4 panels (gemv_q4.c) in groups
-     * of this many inputs, multiplied as torch's int4 kernel does (bf16
-     * input rows, bf16 results, bias added after that rounding) in
-     * int4_form; 0: tiled bf16. */
-    int64_t int4_group, int4_form;
-    /* 1: the bf16 linears (act_bf16) on AMX tiles (baton_linear_amx_tiles);
-     * the caller has checked that this CPU and process may use them. */
-    int64_t amx;
-} baton_model;
-
-/* The caller's mirror of the two structs (ctypes) checks its sizes here. */
-int baton_decode_bf16_struct_sizes(int64_t *layer, int64_t *model) {
-    *layer = (int64_t)sizeof(baton_layer);
-    *model = (int64_t)sizeof(baton_model);
-    return 0;
-}
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -109,11 +76,6 @@ static inline void norm_row(const baton_model *m, float *x, const float *delta, 
  * values), zero-padded. */
 static inline void gemv_input(const baton_model *m, const float *x, float *xp, uint16_t *xb,
                               int64_t K) {
-    if (m->int4_group) {  /* the int4 gemv's rows: x rounded to bf16 values */
-        memcpy(xp, x, sizeof(float) * K);
-        if (!m->act_bf16) baton_round_bf16_row(xp, K);
-        return;
-    }
 #ifdef BATON_GEMV_DP
     if (m->act_bf16) {
         const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
@@ -133,12 +95,6 @@ static inline void gemv(const baton_model *m, const float *xp, const uint16_t *x
                         uint16_t *xa, const uint16_t *w, const float *bias, float *y,
                         int64_t M, int64_t N, int64_t K) {
     (void)xa;
-    if (m->int4_group) {
-        baton_gemv_q4_tiles(xp, baton_round_up(K, BATON_GEMV_TILE_COLS), (const uint8_t *)w,
-                            bias, y, M, N, K, m->int4_group, (int)m->int4_form,
-                            (int)m->act_bf16);
-        return;
-    }
 #ifdef BATON_GEMV_DP
     if (m->act_bf16) {
 #ifdef BATON_AMX
@@ -161,7 +117,7 @@ static inline void gemv(const baton_model *m, const float *xp, const uint16_t *x
  * bf16 attention scores above BATON_GEMV_MAX_ROWS), else the gemv's. */
 static int64_t decode_max_rows(const baton_model *m) {
 #ifdef BATON_AMX
-    if (m->amx && m->act_bf16 && !m->int4_group) return BATON_WHOLE_STEP_AMX_ROWS;
+    if (m->amx && m->act_bf16) return BATON_WHOLE_STEP_AMX_ROWS;
 #endif
     (void)m;
     return BATON_GEMV_MAX_ROWS;
@@ -172,10 +128,6 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                       const int64_t *block_tables, int64_t max_blocks,
                       const int64_t *ctx_lens, int64_t max_ctx, float *out, int num_threads) {
     if (M < 1 || M > decode_max_rows(m)) return 1;
-    if (m->int4_group && (m->int4_group % 2 || m->hidden % m->int4_group ||
-                          (m->num_heads * m->head_dim) % m->int4_group ||
-                          m->intermediate % m->int4_group))
-        return 1;
     if (m->num_kv_heads < 1 || m->num_heads % m->num_kv_heads != 0 || m->head_dim > 1024)
         return 1;
     const int64_t Hd = m->hidden, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim;

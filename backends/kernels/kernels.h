@@ -42,9 +42,6 @@
 #define baton_linear_amx_tiles_many BATON_FN(baton_linear_amx_tiles_many)
 #define baton_attention_task_qb BATON_FN(baton_attention_task_qb)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
-#define baton_decode_bf16_struct_sizes BATON_FN(baton_decode_bf16_struct_sizes)
-#define baton_gemv_q4_tiles BATON_FN(baton_gemv_q4_tiles)
-#define baton_gemv_q4 BATON_FN(baton_gemv_q4)
 
 #include <math.h>
 #include <stdint.h>
@@ -461,15 +458,12 @@ void baton_linear_amx_tiles_many(const uint16_t *xb, uint16_t *xa, const uint16_
  * decode step); BATON_GEMV_MAX_ROWS elsewhere. */
 #define BATON_WHOLE_STEP_AMX_ROWS 32
 
-/* ------------------------------------------------------- int4 gemv */
-/* Int4 weights in panels of 64 output rows (gemv_q4.c, which also says how
- * they round). y [M, N] = bf16(x @ W^T) (+ bias, rounded to bf16 again when
- * round_out) for x [M, K] float32 rows of bf16 values with row stride ldx;
- * G the group size, form 0 or 1 the dequantization torch's int4 kernel
- * uses on this machine. Worksharing loop, like baton_gemv_tiles. */
-#define BATON_Q4_PANEL_ROWS 64
-void baton_gemv_q4_tiles(const float *x, int64_t ldx, const uint8_t *w, const float *bias,
-                         float *y, int64_t M, int64_t N, int64_t K, int64_t G, int form,
-                         int round_out);
+/* ------------------------------------------------------- whole-step decode */
+#include "model.h"
+
+int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
+                      const int64_t *positions, const int64_t *slot_mapping,
+                      const int64_t *block_tables, int64_t max_blocks,
+                      const int64_t *ctx_lens, int64_t max_ctx, float *out, int num_threads);
 
 #endif

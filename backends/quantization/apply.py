@@ -34,11 +34,9 @@ log = logging.getLogger("baton.quantization")
 
 
 def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: QuantizationSpec,
-                   device: torch.device, dtype: torch.dtype, int4_panels: bool = False
-                   ) -> Counter:
+                   device: torch.device, dtype: torch.dtype) -> Counter:
     """Fill ``model`` (a DecoderLM built on the meta device) from ``weights``
-    with its projections quantized per ``spec``; ``int4_panels``: int4
-    projections also keep the native int4 gemv's copy (Int4Linear). Returns how many projections
+    with its projections quantized per ``spec``. Returns how many projections
     became each module kind. Raises QuantizationError / ModelLoadError before
     any forward pass."""
     config: ModelConfig = model.config
@@ -61,10 +59,10 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
         if bias_spec is not None:
             bias = torch.cat([weights[source] for source in bias_spec.sources])
         if spec.mode == "gguf":
-            module, outcome = _gguf_projection(tensors, bias, device, dtype, int4_panels)
+            module, outcome = _gguf_projection(tensors, bias, device, dtype)
             outcomes[outcome] += 1
         else:
-            module = _projection(spec, tensors, bias, device, dtype, int4_panels)
+            module = _projection(spec, tensors, bias, device, dtype)
         kinds[type(module).__name__] += 1
         model.set_submodule(name, module)
 
@@ -123,13 +121,13 @@ def _dense(t: Any) -> torch.Tensor:
 
 
 def _projection(spec: QuantizationSpec, tensors: list[Any], bias: torch.Tensor | None,
-                device: torch.device, dtype: torch.dtype, panels: bool = False) -> nn.Module:
+                device: torch.device, dtype: torch.dtype) -> nn.Module:
     if spec.mode == "int8":
         return Int8Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias, device, dtype)
     if spec.mode == "int4":
         return Int4Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias,
-                                     spec.group_size, device, dtype, panels)
-    return _gguf_projection(tensors, bias, device, dtype, panels)[0]
+                                     spec.group_size, device, dtype)
+    return _gguf_projection(tensors, bias, device, dtype)[0]
 
 
 # What torch lacks for the GGUF types the gguf mode dequantizes.
@@ -138,7 +136,7 @@ _NO_KERNEL = {"Q5_0": "5-bit", "Q5_1": "5-bit", "Q5_K": "5-bit", "Q6_K": "6-bit"
 
 
 def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torch.device,
-                     dtype: torch.dtype, panels: bool = False) -> tuple[nn.Module, str]:
+                     dtype: torch.dtype) -> tuple[nn.Module, str]:
     """The module for one (possibly fused) projection of a gguf-mode load,
     and what it became, for the load log. Parts of one fused module share a
     kernel only if they share a family; a mix (say Q5_0 q with Q8_0 v, or F16
@@ -147,11 +145,9 @@ def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torc
     named = "+".join(sorted(types))
     if types <= INT4_TYPES:
         module = Int4Linear(Int4Weights.cat([q4_to_int4(t) for t in tensors]), bias,
-                            device, dtype, panels)
+                            device, dtype)
         return module, (f"{named} kept as int4 groups of 32 for torch's int4 kernel (codes "
-                        f"exact; scales and zeros in {module.scales_and_zeros.dtype})"
-                        + (", and as native int4 panels for the whole-step decode"
-                           if panels else ""))
+                        f"exact; scales and zeros in {module.scales_and_zeros.dtype})")
     if types == {"Q8_0"}:
         codes, scales = zip(*(q8_0_to_int8(t) for t in tensors))
         module = BlockInt8Linear(torch.cat(codes).to(device), torch.cat(scales).to(device),

@@ -87,47 +87,17 @@ def quantize_int4(weight: torch.Tensor, group_size: int,
                        group_size)
 
 
-PANEL_ROWS = 64  # BATON_Q4_PANEL_ROWS (backends/kernels/gemv_q4.c)
-
-
-def int4_panels(weights: Int4Weights, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The native int4 gemv's layout (backends/kernels/gemv_q4.c): uint8
-    [panels, groups, 32 * G + 256] for output rows in panels of 64 (padded
-    with zero rows); per group, byte (j, r) holds row r's codes of inputs 2j
-    (low nibble) and 2j + 1, then the panel's 64 scales and 64 zeros, rounded
-    to ``scale_dtype`` as Int4Linear rounds them for torch's kernel."""
-    if scale_dtype != torch.bfloat16:
-        raise ValueError(f"the native int4 gemv takes bfloat16 scales, not {scale_dtype}")
-    n, k = weights.shape
-    g = weights.group_size
-    pad = -n % PANEL_ROWS
-    codes, scales, zeros = weights.codes(), weights.scales, weights.zeros
-    if pad:
-        codes = torch.cat([codes, codes.new_full((pad, k), 8)])
-        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
-        zeros = torch.cat([zeros, zeros.new_zeros(pad, zeros.shape[1])])
-    panels, groups = (n + pad) // PANEL_ROWS, k // g
-    pairs = codes.view(panels, PANEL_ROWS, groups, g // 2, 2)
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, groups, G/2, 64]
-    sz = torch.stack([scales, zeros]).to(scale_dtype).view(2, panels, PANEL_ROWS, groups)
-    sz = sz.permute(1, 3, 0, 2).contiguous().view(torch.uint8)  # [P, groups, 2 * 64 * 2]
-    return torch.cat([packed.reshape(panels, groups, -1), sz.view(panels, groups, -1)], dim=-1)
-
-
 class Int4Linear(nn.Module):
     """y = x @ dequant(W).T + bias through torch's int4 kernel for the device.
 
     Buffers: ``weight`` in the kernel's layout, ``scales_and_zeros``
     [K/G, N', 2] in the kernel's dtype, ``bias`` [N] in the serving dtype or
     None. N' is N rounded up to a multiple of 16 (the kernels pack rows in
-    tiles); the padding rows are zero and sliced off. With ``panels`` (CPU
-    only), also ``panels``: the same weights in the native int4 gemv's layout
-    (int4_panels), which the whole-step decode streams; None otherwise.
+    tiles); the padding rows are zero and sliced off.
     """
 
     def __init__(self, weights: Int4Weights, bias: torch.Tensor | None,
-                 device: torch.device, serving_dtype: torch.dtype,
-                 panels: bool = False) -> None:
+                 device: torch.device, serving_dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = weights.shape
         self.group_size = weights.group_size
@@ -143,18 +113,12 @@ class Int4Linear(nn.Module):
                              .transpose(0, 1).contiguous().to(device=device, dtype=kernel_dtype))
         self.register_buffer(
             "bias", None if bias is None else bias.to(device=device, dtype=serving_dtype))
-        if panels and (device.type != "cpu" or kernel_dtype != torch.bfloat16):
-            raise ValueError("int4 panels are for the CPU's bfloat16 int4 kernel")
-        self.register_buffer("panels", int4_panels(weights) if panels else None,
-                             persistent=False)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-                   device: torch.device, serving_dtype: torch.dtype,
-                   panels: bool = False) -> Int4Linear:
+                   device: torch.device, serving_dtype: torch.dtype) -> Int4Linear:
         scale_dtype = kernels.compute_dtype("int4", device, serving_dtype)
-        return cls(quantize_int4(weight, group_size, scale_dtype), bias, device, serving_dtype,
-                   panels)
+        return cls(quantize_int4(weight, group_size, scale_dtype), bias, device, serving_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
