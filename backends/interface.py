@@ -261,6 +261,9 @@ class ScheduledRequest:
     # Leading entries of block_table the backend was sent before and still
     # holds (0 on the first step and after a preemption): the table's diff.
     num_known_blocks: int = 0
+    # Speculative decoding: the last of token_ids are this many proposals
+    # (these tokens) to verify; the backend samples every one's position.
+    spec_token_ids: list[int] = field(default_factory=list)
     pooling: PoolingParams | None = None
 
 
@@ -328,6 +331,10 @@ class StepResult:
     # Embedding requests whose prompt this step finished: the pooled,
     # normalised vector (float32 values), by request id.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative rows: the proposals accepted before the row's own token
+    # (``token_ids``), and their logprobs where asked, by request id.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class Backend(Protocol):

@@ -40,6 +40,7 @@ from backends.parallel.group import ForwardRow, TensorParallelGroup
 from backends.pooling import Pooler, pool_spans
 from backends.quantization.spec import QuantizationSpec, projection_formats
 from backends.rope import local_rope_table, rope_table
+from backends.speculative import Rewind, SamplePosition, sample_positions, verify
 from backends.sampler import (DeferredMasks, PenaltyInputs, SamplerOutput, SamplingBatch,
                              greedy_pick, mask_can_wait, plain_greedy, sample)
 
@@ -266,6 +267,14 @@ class TorchBackend:
                 and self.plan.activation_dtype == "bfloat16")
 
     @property
+    def speculative_budget(self) -> int:
+        """Tokens a decode step may hold and still cost about what a decode
+        of that many requests costs (speculative proposals fill the rest):
+        the whole-step decode's rows where there is one, else 8 (a few rows
+        of a linear read the weights once, as one does)."""
+        return self.plan.whole_step_decode or 8
+
+    @property
     def bf16_weights(self) -> bool:
         return self.plan.bf16_weights
 
@@ -437,6 +446,11 @@ class TorchBackend:
                              masks.result().to(self.device))
         # A row with a NaN or an infinity cannot be sampled; its request fails
         # alone (amax propagates NaN). -1 marks it in the one host transfer.
+        rewind = None
+        if len(sample_rows) > len({p.request_id for p in sample_rows}):  # speculative rows
+            rewind = Rewind(sample_rows, {rid: state.generator
+                                          for rid, state in self._states.items()},
+                            self.config.vocab_size)
         if plain:
             ids, finite = greedy_pick(logits)
             out = SamplerOutput(ids, None, None, None)
@@ -454,25 +468,33 @@ class TorchBackend:
         logprobs = self._logprobs_lists(out, token_ids, sample_rows)
         failed: dict[str, str] = dict(pool_failed)
         error_types: dict[str, str] = {}
-        kept_rows, kept_ids, kept_logprobs = [], [], []
-        for i, (scheduled, token_id, entry) in enumerate(zip(sample_rows, token_ids, logprobs)):
-            if token_id < 0:
-                failed[scheduled.request_id] = (
-                    "the model produced non-finite logits (NaN or infinity) for this request")
-                continue
+        result = StepResult([], [], [], timings, prompt_logprobs, failed, error_types, pooled)
+        for i, row in enumerate(sample_rows):
             if i in grammar_failed:
-                failed[scheduled.request_id] = grammar_failed[i]
-                error_types[scheduled.request_id] = GRAMMAR_ERROR
+                failed[row.request_id] = grammar_failed[i]
+                error_types[row.request_id] = GRAMMAR_ERROR
+        verified, nonfinite = verify(sample_rows, token_ids, logprobs)
+        for request_id in nonfinite:
+            failed.setdefault(request_id, "the model produced non-finite logits (NaN or "
+                                          "infinity) for this request")
+        for v in verified:
+            if v.request_id in failed:
                 continue
-            kept_rows.append(scheduled.request_id)
-            kept_ids.append(token_id)
-            kept_logprobs.append(entry)
-            counts = self._states[scheduled.request_id].output_counts
+            result.request_ids.append(v.request_id)
+            result.token_ids.append(v.token_id)
+            result.logprobs.append(v.logprobs)
+            if v.accepted or rewind is not None and v.request_id in rewind.saved:
+                result.accepted[v.request_id] = v.accepted
+                if v.logprobs is not None:
+                    result.accepted_logprobs[v.request_id] = v.accepted_logprobs
+                if rewind is not None:
+                    rewind.to(v.request_id, len(v.accepted) + 1, drew=not batch.all_greedy)
+            counts = self._states[v.request_id].output_counts
             if counts is not None:
-                counts[token_id] += 1
+                for token_id in (*v.accepted, v.token_id):
+                    counts[token_id] += 1
         timings.sample = time.perf_counter() - t2
-        return StepResult(kept_rows, kept_ids, kept_logprobs, timings, prompt_logprobs, failed,
-                          error_types, pooled)
+        return result
 
     def _grammar_rows(self, rows: list[ScheduledRequest], batch: SamplingBatch
                       ) -> tuple[list[tuple[int, GrammarMatcher]],
@@ -604,18 +626,11 @@ class TorchBackend:
                 state.prompt_mask[torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
         return state
 
-    def _sample_rows(self, rows) -> tuple[list, torch.Tensor]:
-        """The rows that sample this step and the batch row of each one's
-        last token."""
-        sample_rows: list[ScheduledRequest] = []
-        logits_index: list[int] = []
-        start = 0
-        for row in rows:
-            start += len(row.token_ids)
-            if row.sample and not _pools(row):
-                sample_rows.append(row)
-                logits_index.append(start - 1)
-        return sample_rows, torch.tensor(logits_index, dtype=torch.long).to(self.device)
+    def _sample_rows(self, rows) -> tuple[list[SamplePosition], torch.Tensor]:
+        """The positions this step samples (a row's last token; a speculative
+        row's last k + 1) and the batch row of each."""
+        positions, index = sample_positions(rows, _pools)
+        return positions, torch.tensor(index, dtype=torch.long).to(self.device)
 
     def _shared_prefix_groups(self, rows) -> list[tuple[list[int], int]]:
         """Groups of this step's decodes (the single-token rows, first in
@@ -820,9 +835,16 @@ class TorchBackend:
         states = [self._states[rows[i].request_id] for i in index]
         dev = self.device
         sel = [params[i] for i in index]
+        counts = torch.stack([s.output_counts for s in states])
+        for j, i in enumerate(index):
+            # A speculative row's later positions follow its proposals.
+            before = getattr(rows[i], "proposals_before", None)
+            if before:
+                counts[j].index_add_(0, torch.tensor(before, device=dev),
+                                     torch.ones(len(before), device=dev))
         return PenaltyInputs(
             rows=torch.tensor(index).to(dev),
-            output_counts=torch.stack([s.output_counts for s in states]),
+            output_counts=counts,
             prompt_mask=torch.stack([s.prompt_mask for s in states]),
             repetition=torch.tensor([p.repetition_penalty for p in sel]).to(dev),
             frequency=torch.tensor([p.frequency_penalty for p in sel]).to(dev),

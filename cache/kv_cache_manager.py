@@ -228,6 +228,23 @@ class KVCacheManager:
         self.pool.free(reversed(table))
         return len(table)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Release the blocks past those ``num_tokens`` tokens need (a
+        speculative step allocated slots for proposals that were rejected).
+        Never releases a cached (full, named) block. Returns how many were
+        released."""
+        table = self._block_tables.get(request_id)
+        if not table:
+            return 0
+        keep = max(blocks_needed(num_tokens, self.block_size),
+                   self._num_cached.get(request_id, 0))
+        if keep >= len(table):
+            return 0
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(extra))
+        return len(extra)
+
     def forget(self, request_id: str) -> None:
         """The request has ended: release its blocks and drop its hashes."""
         self.free(request_id)

@@ -34,6 +34,7 @@ from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.outputs import (EngineLoad, ModelInfo, RequestOutput, SchedulerStats,
                                StepOutcome)
 from scheduler.request import FinishReason, Request
+from scheduler.speculative import Speculator
 from scheduler.scheduler import Scheduler
 from scheduler.step_runner import StepRunner, fault_text
 
@@ -46,7 +47,8 @@ class EngineCore:
                  model_name: str = "model",
                  generation: GenerationDefaults | None = None,
                  max_logprobs: int = 20,
-                 pooling: PoolingConfig | None = None, hidden_size: int = 0) -> None:
+                 pooling: PoolingConfig | None = None, hidden_size: int = 0,
+                 speculator: Speculator | None = None) -> None:
         self.model_name = model_name
         # The most top alternatives a request may ask for (--max-logprobs;
         # -1: the whole vocabulary).
@@ -62,6 +64,11 @@ class EngineCore:
         self.kv_cache = KVCacheManager(backend.num_kv_blocks, backend.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
+        # Speculative decoding (scheduler/speculative.py): proposes each
+        # decoding request's next tokens after every step.
+        self.speculator = speculator
+        if speculator is not None:
+            self.scheduler.proposal_budget = speculator.budget
         self._lock = threading.RLock()
         # Compiles structured-output constraints (backends/grammar.py); the
         # gateway warms its cache off the event loop before add_request.
@@ -217,6 +224,8 @@ class EngineCore:
             request = self.scheduler.finish_request(request_id, reason)
             if request is None:
                 return None
+            if self.speculator is not None:
+                self.speculator.release({*self.scheduler.requests})
             return self._final_output(request, [], "", error)
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT,
@@ -301,9 +310,9 @@ class EngineCore:
             if request.request_id in faults:  # its detokenization failed
                 hook_failed.append(request)
                 continue
-            logprobs = [update.logprobs] if update.logprobs is not None else None
+            logprobs = update.logprobs or None
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id, None)
-            new_ids = [] if update.token_id is None else [update.token_id]  # None: scored
+            new_ids = update.token_ids  # none: a scored prompt
             if request.is_finished:
                 text = update.text + self._detokenizers[request.request_id].flush()
                 outputs.append(self._final_output(request, new_ids, text, None, logprobs))
@@ -326,6 +335,9 @@ class EngineCore:
             request.finish_reason = FinishReason.ERROR
             outputs.append(self._final_output(request, [], "", faults[request.request_id]))
             outputs[-1].error_type = result.error_types.get(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release({*self.scheduler.requests})
+            self.speculator.propose(self.scheduler.running, self.max_model_len, self.kv_cache)
         num_faulted = len(failed_requests)
         timings = result.timings
         timings.schedule = schedule_time
@@ -391,6 +403,8 @@ class EngineCore:
                      "kv_cache": len(kv.request_ids),
                      # not a table, but the per-request resource that matters most
                      "kv_blocks_held": kv.pool.num_used_blocks}
+            if self.speculator is not None:
+                sizes["speculator"] = len(self.speculator.request_ids)
             backend_ids = _backend_request_ids(self.backend)
             if backend_ids is not None:
                 sizes["backend"] = len(backend_ids)

@@ -52,6 +52,9 @@ class Request:
     # Blocks of its table already sent to the backend (0 again after a
     # preemption: the recompute gets a new table).
     num_blocks_sent: int = 0
+    # Tokens proposed to follow it (speculative decoding), verified in its
+    # next decode step; none while it prefills.
+    spec_token_ids: list[int] = field(default_factory=list)
     # An embedding request: prefilled, never sampled; it ends when its
     # prompt is computed and the backend returns its pooled vector.
     pooling: PoolingParams | None = None

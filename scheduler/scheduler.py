@@ -41,16 +41,20 @@ from cache.kv_cache_manager import NO_HIT, KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.request_queue import RequestQueue, priority_key
+from scheduler.speculative import ProposalBudget, SpeculationStats
 
 
 @dataclass(slots=True)
 class TokenUpdate:
-    """One request's new token from a step; ``request.finish_reason`` is set
-    when the token ended it. ``text`` is what the text hook released for it."""
+    """One request's new tokens from a step (one, or a speculative step's
+    accepted proposals and its own token); ``request.finish_reason`` is set
+    when one of them ended it (the tokens after it are dropped). ``text`` is
+    what the text hook released for them. No tokens: a scored prompt
+    (max_tokens 0) was computed."""
 
     request: Request
-    token_id: int | None        # None: a scored prompt (max_tokens 0) computed, no token
-    logprobs: TokenLogprobs | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
     text: str = ""
 
 
@@ -80,6 +84,10 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._next_arrival = 0
         self.num_preemptions_total = 0
+        # Speculative decoding (scheduler/speculative.py): proposals verified
+        # since the metrics last took them, and each request's share.
+        self.spec_stats = SpeculationStats()
+        self.proposal_budget: ProposalBudget | None = None
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -144,11 +152,11 @@ class Scheduler:
         threshold = self.config.long_prefill_threshold
         order = (sorted(self.running, key=priority_key) if self.config.policy == "priority"
                  else list(self.running))
-        for request in order:            # 1. decodes
+        for request in order:            # 1. decodes (and their proposals)
             if plan.budget <= 0:
                 break
             if request.status is RequestStatus.RUNNING and _remaining(request) == 1:
-                self._reserve(plan, request, 1)
+                self._reserve_decode(plan, request)
         decodes = bool(plan.tokens)
         for request in order:            # 2. running prefills, capped
             if plan.budget <= 0:
@@ -188,6 +196,21 @@ class Scheduler:
                 return
         plan.tokens[request.request_id] = num_new
         plan.budget -= num_new
+
+    def _reserve_decode(self, plan: _StepPlan, request: Request) -> None:
+        """A decode's token and, where it proposed some and budget and blocks
+        allow without preempting anyone, its proposals (dropped otherwise)."""
+        proposals = request.spec_token_ids
+        if proposals:
+            keep = min(len(proposals), plan.budget - 1)
+            if keep > 0 and self.kv_cache.allocate_slots(
+                    request.request_id, request.num_computed_tokens + 1 + keep):
+                request.spec_token_ids = proposals[:keep]
+                plan.tokens[request.request_id] = 1 + keep
+                plan.budget -= 1 + keep
+                return
+            request.spec_token_ids = []
+        self._reserve(plan, request, 1)
 
     def _admit(self, plan: _StepPlan, threshold: int) -> None:
         long_prefilling = any(_remaining(r) > threshold for r in self.running)
@@ -247,12 +270,16 @@ class Scheduler:
         if first:
             request.ever_scheduled = True
             request.first_scheduled_time = time.monotonic()
-        request.num_computed_tokens = start + num_new
+        # A decode's proposals ride after its token: computed this step, but
+        # counted only once accepted (update_from_output).
+        proposals = request.spec_token_ids
+        num_own = num_new - len(proposals)
+        request.num_computed_tokens = start + num_own
         table = self.kv_cache.block_table(request.request_id)
         known, request.num_blocks_sent = request.num_blocks_sent, len(table)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_slice(start, start + num_new),
+            token_ids=request.token_slice(start, start + num_own) + proposals,
             start_pos=start,
             block_table=table,
             num_known_blocks=known,
@@ -264,6 +291,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             prompt_token_ids=list(request.prompt_token_ids) if first else None,
             pooling=request.pooling,
+            spec_token_ids=list(proposals),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -272,6 +300,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_blocks_sent = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.add_preempted(request)
 
@@ -280,35 +309,67 @@ class Scheduler:
                            text_hook: TextHook | None = None) -> list[TokenUpdate]:
         """Append sampled tokens and decide every stop condition in one pass:
         EOS and stop token ids, then a stop string (from ``text_hook``), then
-        max_tokens and the context length. A request ends here at most once."""
-        # The step has written these blocks: name the full ones first, so
-        # that requests ending with this token leave them cached too.
-        for scheduled in output.requests:
-            request = self.requests.get(scheduled.request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                self.kv_cache.cache_computed_blocks(request.request_id, request,
-                                                    request.num_computed_tokens)
+        max_tokens and the context length, token by token (a speculative
+        step's accepted proposals, then its own token: a stop drops the rest).
+        A request ends here at most once. Each request's full blocks are named
+        in the prefix cache before it can end, so that requests ending in this
+        step leave them cached too; a speculative step's blocks past its
+        tokens (rejected proposals') are released."""
+        sampled = {rid: (token_id, logprobs) for rid, token_id, logprobs in zip(
+            result.request_ids, result.token_ids, result.logprobs)}
         updates: list[TokenUpdate] = []
-        for request_id, token_id, logprobs in zip(
-                result.request_ids, result.token_ids, result.logprobs):
+        for scheduled in output.requests:
+            request_id = scheduled.request_id
             request = self.requests.get(request_id)
-            if request is None:  # finished (aborted) while the step ran
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted, failed) while the step ran
+            request.spec_token_ids = []
+            if request_id not in sampled:
+                self.kv_cache.cache_computed_blocks(request_id, request,
+                                                    request.num_computed_tokens)
+                if (request.max_tokens == 0 and request.pooling is None
+                        and request.num_computed_tokens == request.num_tokens):
+                    # A scored prompt ends once it is computed: nothing sampled.
+                    updates.append(TokenUpdate(request, [], None))
+                    self.finish_request(request_id, FinishReason.LENGTH)
                 continue
-            request.output_token_ids.append(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-            text, stop_string = text_hook(request, token_id) if text_hook else ("", None)
-            updates.append(TokenUpdate(request, token_id, logprobs, text))
-            reason, stop_reason = self._check_stop(request, token_id, stop_string)
+            token_id, last_logprobs = sampled[request_id]
+            accepted = result.accepted.get(request_id, [])
+            tokens = accepted + [token_id]
+            entries = (result.accepted_logprobs.get(request_id) or [None] * len(accepted)) \
+                + [last_logprobs]
+            update = TokenUpdate(request, [], [] if last_logprobs is not None else None)
+            reason = stop_reason = None
+            for token, entry in zip(tokens, entries):
+                request.output_token_ids.append(token)
+                if request.first_token_time is None:
+                    request.first_token_time = time.monotonic()
+                text, stop_string = text_hook(request, token) if text_hook else ("", None)
+                update.token_ids.append(token)
+                update.text += text
+                if update.logprobs is not None:
+                    update.logprobs.append(entry)
+                reason, stop_reason = self._check_stop(request, token, stop_string)
+                if reason is not None:
+                    break
+            # Every token but the newest has its KV in place (the accepted
+            # proposals' were computed this step).
+            request.num_computed_tokens = request.num_tokens - 1
+            if scheduled.spec_token_ids:
+                self.spec_stats.proposed += len(scheduled.spec_token_ids)
+                self.spec_stats.accepted += len(tokens) - 1
+                self.spec_stats.verified_rows += 1
+                if self.proposal_budget is not None:
+                    self.proposal_budget.record(request_id, len(scheduled.spec_token_ids),
+                                                len(tokens) - 1)
+            self.kv_cache.cache_computed_blocks(request_id, request,
+                                                request.num_computed_tokens)
+            if scheduled.spec_token_ids and self.kv_cache.trim(request_id, request.num_tokens):
+                request.num_blocks_sent = min(request.num_blocks_sent,
+                                              self.kv_cache.num_request_blocks(request_id))
+            updates.append(update)
             if reason is not None:
                 self.finish_request(request_id, reason, stop_reason)
-        for scheduled in output.requests:
-            request = self.requests.get(scheduled.request_id)
-            if (request is not None and request.max_tokens == 0 and request.pooling is None
-                    and request.num_computed_tokens == request.num_tokens):
-                # A scored prompt ends once it is computed: nothing was sampled.
-                updates.append(TokenUpdate(request, None, None))
-                self.finish_request(request.request_id, FinishReason.LENGTH)
         return updates
 
     def finish_pooled(self, output: SchedulerOutput, result: StepResult

@@ -110,4 +110,6 @@ def _merge(a: StepResult, b: StepResult) -> StepResult:
     return StepResult(a.request_ids + b.request_ids, a.token_ids + b.token_ids,
                       a.logprobs + b.logprobs, timings,
                       {**a.prompt_logprobs, **b.prompt_logprobs}, {**a.failed, **b.failed},
-                      {**a.error_types, **b.error_types}, {**a.pooled, **b.pooled})
+                      {**a.error_types, **b.error_types}, {**a.pooled, **b.pooled},
+                      {**a.accepted, **b.accepted},
+                      {**a.accepted_logprobs, **b.accepted_logprobs})

@@ -74,6 +74,17 @@ def _flag(parser: argparse.ArgumentParser, name: str, default, help: str, *,
     return action
 
 
+def _speculative(raw: str) -> str:
+    """--speculative-config: checked here (a usage error naming what is
+    wrong), kept as its JSON text."""
+    from scheduler.speculative import SpeculativeConfig
+    try:
+        SpeculativeConfig.parse(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
+
+
 def _split_list(raw: str) -> list[str]:
     """A JSON list ('["a", "b"]', as vLLM takes), or words split on commas
     and spaces."""
@@ -180,6 +191,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--no-fast-paths", True, "portable torch ops only: no native kernels, no "
           "oneDNN prepacking (the reference path; BATON_FAST_PATHS=0; default: fast paths "
           "on)", dest="fast_paths", action="store_false", env_name="BATON_FAST_PATHS")
+    _flag(parser, "--speculative-config", None, "speculative decoding, as vLLM spells it: "
+          "JSON such as '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+          "\"prompt_lookup_max\": 5}' or '{\"method\": \"draft_model\", \"model\": "
+          "PATH, \"num_speculative_tokens\": 4}' (docs/serving.md)", convert=_speculative)
     _flag(parser, "--enforce-eager", False, "run every step eagerly: no torch.compile of "
           "the decode step (start-up without compiling; BATON_ENFORCE_EAGER=1)",
           action="store_true", env_name="BATON_ENFORCE_EAGER")
@@ -221,6 +236,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         prefill_only_step_tokens=ns.prefill_only_step_tokens,
         fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind, enforce_eager=ns.enforce_eager,
+        speculative_config=ns.speculative_config,
         revision=ns.revision, download_dir=ns.download_dir,
         generation_config=ns.generation_config, parallel=_parallel_config(ns),
         chat_template=ns.chat_template, conversion_cache=ns.conversion_cache, progress=True,

@@ -75,6 +75,8 @@ class EngineArgs:
     # True: no compiled decode step (backends/compiled_step.py); default from
     # BATON_ENFORCE_EAGER, as the CLI's --enforce-eager
     enforce_eager: bool = field(default_factory=lambda: env_flag("BATON_ENFORCE_EAGER"))
+    # --speculative-config's JSON (scheduler/speculative.py); None: none.
+    speculative_config: str | None = None
     # Force a lower CPU kind: portable, avx2, avx512, avx512_bf16; default from
     # BATON_CPU_KIND, as the CLI's --cpu-kind.
     cpu_kind: str = field(default_factory=lambda: os.environ.get("BATON_CPU_KIND") or "auto")

@@ -118,6 +118,25 @@ def _check_memory_flags(args: EngineArgs) -> None:
         raise ValueError("give either --gpu-memory-utilization or --kv-cache-memory, not both")
 
 
+def _speculator(args: EngineArgs, backend, tokenizer):
+    """The speculative decoding of --speculative-config, or None."""
+    if args.speculative_config is None:
+        return None
+    from scheduler.speculative import SpeculativeConfig, Speculator
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if args.parallel.tensor_parallel_size > 1:
+        raise ValueError("--speculative-config with --tensor-parallel-size: verification "
+                         "rows are not sharded yet; serve without one of them")
+    proposer = None
+    if spec.method == "draft_model":
+        from scheduler.draft import DraftProposer
+        proposer = DraftProposer.load(spec, args, backend, tokenizer)
+    speculator = Speculator(spec, backend.speculative_budget, proposer)
+    log.info("speculative decoding: %s; a step holds at most %d tokens of decodes and "
+             "proposals", spec.describe(), backend.speculative_budget)
+    return speculator
+
+
 def create_engine(args: EngineArgs) -> EngineCore:
     args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device,
                                                          args.cpu_kind, args.quantization))
@@ -177,7 +196,7 @@ def create_engine(args: EngineArgs) -> EngineCore:
         vocab_size=config.vocab_size, eos_token_ids=tuple(eos),
         model_name=model_name_for(args.model),
         generation=generation, max_logprobs=args.max_logprobs, pooling=loaded.pooling,
-        hidden_size=config.hidden_size)
+        hidden_size=config.hidden_size, speculator=_speculator(args, backend, tokenizer))
     log.info("model loaded: %s, %.1fM parameters, dtype %s, quantization %s, weights %.0f MiB, "
              "device %s, KV capacity %d tokens (%d blocks of %d), max_model_len %d, "
              "prefix caching %s, scheduling %s, %.1fs",
