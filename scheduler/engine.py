@@ -360,7 +360,8 @@ class EngineCore:
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             num_preemptions=request.num_preemptions,
-            num_cached_tokens=request.num_cached_tokens or 0)
+            num_cached_tokens=request.num_cached_tokens or 0,
+            spec_proposed=request.num_spec_proposed, spec_accepted=request.num_spec_accepted)
 
     def _final_output(self, request: Request, new_ids: list[int], text: str,
                       error: str | None, logprobs=None) -> RequestOutput:
@@ -378,6 +379,7 @@ class EngineCore:
         decode = sum(1 for r in output.requests if not _is_prefill(r))
         kv = self.kv_cache
         prefix = kv.take_stats()
+        spec = self.scheduler.spec_stats.take()
         return SchedulerStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_scheduled=len(output.requests),
@@ -388,7 +390,10 @@ class EngineCore:
             timings=timings, num_faulted=num_faulted,
             request_ids=[r.request_id for r in output.requests],
             prefill_request_ids=[r.request_id for r in output.requests if _is_prefill(r)],
-            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
+            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+            spec_method=self.speculator.config.method if self.speculator else "",
+            spec_proposed=spec.proposed, spec_accepted=spec.accepted,
+            spec_verified_rows=spec.verified_rows)
 
     # ------------------------------------------------------------- integrity
     def state_sizes(self) -> dict[str, int]:
@@ -442,5 +447,7 @@ def _backend_request_ids(backend) -> set[str] | None:
 
 
 def _is_prefill(scheduled) -> bool:
-    """Prompt tokens (or a recompute after preemption), not a decode token."""
-    return scheduled.num_output_tokens == 0 or len(scheduled.token_ids) > 1
+    """Prompt tokens (or a recompute after preemption), not a decode token
+    (with or without proposals to verify)."""
+    own = len(scheduled.token_ids) - len(scheduled.spec_token_ids)
+    return scheduled.num_output_tokens == 0 or own > 1

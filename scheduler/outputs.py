@@ -39,6 +39,9 @@ class RequestOutput:
     num_preemptions: int = 0
     # prompt tokens found in the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
+    # speculative decoding: proposals verified for it so far, and accepted
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     # An embedding request's final output: its pooled, normalised vector.
     embedding: list[float] | None = None
 
@@ -65,6 +68,12 @@ class SchedulerStats:
     # tokens looked up in the prefix cache by requests admitted this step, and found
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # speculative decoding: its method ("" without), and this step's
+    # proposals, accepted proposals and rows that verified proposals
+    spec_method: str = ""
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verified_rows: int = 0
     start_ns: int = 0   # wall clock (epoch ns), set by the AsyncEngine
     end_ns: int = 0
 

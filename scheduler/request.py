@@ -55,6 +55,8 @@ class Request:
     # Tokens proposed to follow it (speculative decoding), verified in its
     # next decode step; none while it prefills.
     spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_proposed: int = 0   # proposals verified so far
+    num_spec_accepted: int = 0   # of those, accepted
     # An embedding request: prefilled, never sampled; it ends when its
     # prompt is computed and the backend returns its pooled vector.
     pooling: PoolingParams | None = None

@@ -356,6 +356,8 @@ class Scheduler:
             # proposals' were computed this step).
             request.num_computed_tokens = request.num_tokens - 1
             if scheduled.spec_token_ids:
+                request.num_spec_proposed += len(scheduled.spec_token_ids)
+                request.num_spec_accepted += len(tokens) - 1
                 self.spec_stats.proposed += len(scheduled.spec_token_ids)
                 self.spec_stats.accepted += len(tokens) - 1
                 self.spec_stats.verified_rows += 1

@@ -129,12 +129,33 @@ def _speculator(args: EngineArgs, backend, tokenizer):
                          "rows are not sharded yet; serve without one of them")
     proposer = None
     if spec.method == "draft_model":
-        from scheduler.draft import DraftProposer
-        proposer = DraftProposer.load(spec, args, backend, tokenizer)
+        proposer = _draft_proposer(spec, args, backend, tokenizer)
     speculator = Speculator(spec, backend.speculative_budget, proposer)
     log.info("speculative decoding: %s; a step holds at most %d tokens of decodes and "
              "proposals", spec.describe(), backend.speculative_budget)
     return speculator
+
+
+def _draft_proposer(spec, args: EngineArgs, backend, tokenizer):
+    """The draft model's backend, as the target's is built (dtype, device,
+    fast paths) with its own quantization, and a KV pool of as many blocks
+    as the target's (scheduler/draft.py reads it through the target's block
+    tables). Its tokenizer must be the target's."""
+    from scheduler.draft import DraftProposer
+    draft_args = dataclasses.replace(args, model=spec.model, quantization=spec.quantization,
+                                     quantization_group_size=None, kv_cache_memory=None,
+                                     num_kv_blocks=backend.num_kv_blocks,
+                                     speculative_config=None)
+    loaded, draft = load_backend(draft_args)
+    if loaded.config.vocab_size != backend.config.vocab_size or \
+            loaded.tokenizer.tokenizer.get_vocab() != tokenizer.backend.get_vocab():
+        raise ValueError(f"the draft model {spec.model} does not share the target's tokenizer "
+                         "(its vocabulary differs): a draft must propose the target's tokens")
+    log.info("draft model %s: %.1fM parameters, %s, %.0f MiB of weights; its KV pool mirrors "
+             "the target's %d blocks", spec.model, draft.num_parameters / 1e6,
+             draft.plan.describe().split(";")[0], draft.weight_bytes / 2**20,
+             draft.num_kv_blocks)
+    return DraftProposer(draft)
 
 
 def create_engine(args: EngineArgs) -> EngineCore:

@@ -99,6 +99,14 @@ class LiveSnapshot(msgspec.Struct):
     prefix_cache_queries: int
     prefix_cache_hits: int
     prefix_cache_hit_rate: float | None
+    # speculative decoding ("" without): proposals and accepted ones in all;
+    # over the window, the accepted share and the tokens a verifying row
+    # yields on average (None: no verifying row)
+    spec_method: str
+    spec_proposed: int
+    spec_accepted: int
+    spec_acceptance: float | None
+    spec_tokens_per_row: float | None
     ttft: Percentiles
     itl: Percentiles
     e2e: Percentiles
@@ -119,6 +127,9 @@ class _Second:
     batch_sum: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_rows: int = 0
     schedule: float = 0.0
     prepare: float = 0.0
     forward: float = 0.0
@@ -154,6 +165,9 @@ class LiveStats:
         self.preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.spec_method = ""
+        self.spec_proposed = 0
+        self.spec_accepted = 0
         self.requests_finished = 0
         self.requests_failed = 0
         self.prompt_tokens = 0
@@ -182,15 +196,23 @@ class LiveStats:
             b.prefix_hits += step.prefix_cache_hits
             self.prefix_cache_queries += step.prefix_cache_queries
             self.prefix_cache_hits += step.prefix_cache_hits
+        if step.spec_verified_rows:
+            self.spec_method = step.spec_method
+            b.spec_proposed += step.spec_proposed
+            b.spec_accepted += step.spec_accepted
+            b.spec_rows += step.spec_verified_rows
+            self.spec_proposed += step.spec_proposed
+            self.spec_accepted += step.spec_accepted
         if step.batch_size <= 0:
             return
         self._last_batch = step.batch_size
         b.busy_steps += 1
         b.batch_sum += step.batch_size
         b.tokens_in += step.prefill_tokens
-        # a decode token is one output token; a request's first token comes
-        # with its last prefill chunk and is not counted here
-        b.tokens_out += step.decode_tokens
+        # a decode row yields one output token, and its accepted proposals
+        # more; a request's first token comes with its last prefill chunk and
+        # is not counted here
+        b.tokens_out += step.decode_tokens + step.spec_accepted
         b.schedule += step.schedule
         b.prepare += step.prepare
         b.forward += step.forward
@@ -240,6 +262,9 @@ class LiveStats:
         covered = max(min(now - rate_start, now - self.started), 1e-3)
         busy = sum(b.busy_steps for b in in_window)
         queries = sum(b.prefix_queries for b in in_window)
+        proposed = sum(b.spec_proposed for b in in_window)
+        accepted = sum(b.spec_accepted for b in in_window)
+        spec_rows = sum(b.spec_rows for b in in_window)
         last = self._last_step
         return LiveSnapshot(
             model=self.model, time=time.time(), uptime_s=now - self.started,
@@ -257,6 +282,10 @@ class LiveStats:
             prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_hit_rate=(sum(b.prefix_hits for b in in_window) / queries
                                    if queries else None),
+            spec_method=self.spec_method, spec_proposed=self.spec_proposed,
+            spec_accepted=self.spec_accepted,
+            spec_acceptance=accepted / proposed if proposed else None,
+            spec_tokens_per_row=1 + accepted / spec_rows if spec_rows else None,
             ttft=percentiles(v for t, v in self._ttft if t >= since),
             itl=percentiles(v for t, v in self._itl if t >= since),
             e2e=percentiles(v for t, v in self._e2e if t >= since),

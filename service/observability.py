@@ -24,6 +24,8 @@ class _ChoiceStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     finish_reason: str | None = None
     text: str = ""
 
@@ -64,7 +66,9 @@ class Observability:
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_free=stats.kv_blocks_free,
             kv_usage=stats.kv_usage, num_running=stats.num_running,
             num_waiting=stats.num_waiting, prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits, schedule=t.schedule, prepare=t.prepare,
+            prefix_cache_hits=stats.prefix_cache_hits, spec_method=stats.spec_method,
+            spec_proposed=stats.spec_proposed, spec_accepted=stats.spec_accepted,
+            spec_verified_rows=stats.spec_verified_rows, schedule=t.schedule, prepare=t.prepare,
             forward=t.forward, sample=t.sample, emit=t.emit)
         self.metrics.observe_step(step)
         if self.live is not None:
@@ -153,6 +157,7 @@ class RequestTelemetry:
         c.prompt_tokens = out.num_prompt_tokens
         c.cached_tokens = out.num_cached_tokens
         c.output_tokens = out.num_output_tokens
+        c.spec_proposed, c.spec_accepted = out.spec_proposed, out.spec_accepted
         if self.obs.log_prompts:
             c.text += out.text
         if out.finished:
@@ -202,7 +207,8 @@ class RequestTelemetry:
             request_id=self.response_id or "", operation=self.operation,
             model=self.obs.model_name, status=status, finish_reason=c.finish_reason,
             prompt_tokens=c.prompt_tokens, output_tokens=c.output_tokens,
-            cached_tokens=c.cached_tokens,
+            cached_tokens=c.cached_tokens, spec_proposed=c.spec_proposed,
+            spec_accepted=c.spec_accepted,
             arrival=self.arrival, finished=now, first_scheduled=c.first_scheduled,
             first_token=c.first_token, error_type=error_type, token_times=c.token_times)
 
@@ -221,6 +227,8 @@ class RequestTelemetry:
             prompt_tokens=sum(r.prompt_tokens for r in records[::self.n]),
             cached_tokens=sum(r.cached_tokens for r in records[::self.n]),
             output_tokens=sum(r.output_tokens for r in records),
+            spec_proposed=sum(r.spec_proposed for r in records),
+            spec_accepted=sum(r.spec_accepted for r in records),
             arrival=self.arrival, finished=now,
             first_scheduled=first(r.first_scheduled for r in records),
             first_token=first(r.first_token for r in records), error_type=error_type)

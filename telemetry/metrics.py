@@ -151,6 +151,21 @@ class Metrics:
             "baton_prefix_cache_hits",
             "Tokens of admitted requests found in the prefix cache (not computed).",
             ("model_name",), registry=r).labels(m).inc
+        # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens /
+        # _num_drafts: acceptance is rate(accepted) / rate(proposed), the mean
+        # tokens a verifying row yields 1 + rate(accepted) / rate(verified).
+        spec = ("model_name", "method")
+        self._spec_proposed = Counter(
+            "baton_spec_decode_proposed_tokens",
+            "Tokens proposed by speculative decoding and verified by the model.", spec,
+            registry=r)
+        self._spec_accepted = Counter(
+            "baton_spec_decode_accepted_tokens",
+            "Proposed tokens the model's own samples confirmed.", spec, registry=r)
+        self._spec_rows = Counter(
+            "baton_spec_decode_verified_rows",
+            "Decode rows that verified proposals (one per request and step).", spec,
+            registry=r)
         self._inc_engine_faults = Counter(
             "baton_engine_faults", "Requests an engine fault failed (the request's own "
             "fault, or one that could not be pinned on fewer requests).",
@@ -210,6 +225,11 @@ class Metrics:
         if step.prefix_cache_queries:
             self._inc_prefix_queries(step.prefix_cache_queries)
             self._inc_prefix_hits(step.prefix_cache_hits)
+        if step.spec_verified_rows:
+            labels = (self.model_name, step.spec_method)
+            self._spec_proposed.labels(*labels).inc(step.spec_proposed)
+            self._spec_accepted.labels(*labels).inc(step.spec_accepted)
+            self._spec_rows.labels(*labels).inc(step.spec_verified_rows)
         if step.batch_size <= 0:
             return
         overhead = step.host_overhead_share

@@ -33,6 +33,9 @@ class RequestRecord:
     finished: float
     first_scheduled: float | None = None  # None: never scheduled
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # speculative decoding: proposals verified for it, and accepted
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     first_token: float | None = None  # None: no token produced
     error_type: str | None = None
     # monotonic time of each output delta, for inter-token latency
@@ -100,6 +103,12 @@ class StepRecord:
     # prefix cache: tokens looked up by the requests admitted in this step, and found
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # speculative decoding (method "" without): proposals, accepted ones, and
+    # the rows that verified proposals, this step
+    spec_method: str = ""
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verified_rows: int = 0
     # seconds per phase; host overhead is everything but forward and sample
     schedule: float = 0.0
     prepare: float = 0.0

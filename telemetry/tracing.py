@@ -177,6 +177,9 @@ def _response_attributes(record: RequestRecord, response_id: str | None,
     }
     if response_id is not None:
         attrs["gen_ai.response.id"] = response_id
+    if record.spec_proposed:
+        attrs["baton.spec_decode.proposed_tokens"] = record.spec_proposed
+        attrs["baton.spec_decode.accepted_tokens"] = record.spec_accepted
     for key, value in (("gen_ai.latency.time_in_queue", record.queue_time),
                        ("gen_ai.latency.time_to_first_token", record.ttft),
                        ("gen_ai.latency.time_in_model_prefill", record.model_prefill_time),

@@ -19,6 +19,8 @@ class Finished:
     stop_reason: object = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 def make_engine(model, **kwargs) -> EngineCore:
@@ -48,6 +50,7 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]] | None = None,
                 res.logprobs.extend(out.logprobs)
             res.num_prompt_tokens = out.num_prompt_tokens
             res.num_cached_tokens = out.num_cached_tokens
+            res.spec_proposed, res.spec_accepted = out.spec_proposed, out.spec_accepted
             if out.finished:
                 res.finish_reason = out.finish_reason
                 res.stop_reason = out.stop_reason

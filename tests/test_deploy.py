@@ -533,6 +533,8 @@ def test_dashboard_promql_names_exported_metrics(path, exported):
             "baton_engine_step_component_seconds_total", "baton_engine_host_overhead_ratio",
             "baton_preemptions_total", "baton_admission_rejections_total",
             "baton_prefix_cache_hits_total", "baton_prefix_cache_queries_total",
+            "baton_spec_decode_proposed_tokens_total", "baton_spec_decode_accepted_tokens_total",
+            "baton_spec_decode_verified_rows_total",
         } <= used
 
 
