@@ -93,7 +93,11 @@ WORKLOAD_COLUMNS = {
                      ("short TTFT max during (ms)", "short_ttft_max_during_ms", "{:.0f}"),
                      ("long prompt TTFT (ms)", "long_ttft_ms", "{:.0f}"),
                      ("slowdown p50", "slowdown_p50", "{:.2f}")],
+    "grounded": [("output tok/s", "output_tok_per_s", "{:.1f}"),
+                 ("inter-chunk p50 (ms)", "itl_p50_ms", "{:.1f}"),
+                 ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"), ("e2e p50 (s)", "e2e_p50_s", "{:.2f}")],
 }
+WORKLOAD_COLUMNS["chat"] = WORKLOAD_COLUMNS["grounded"]
 WORKLOAD_GOALS = {
     "shared-prefix": [("TTFT p50 ratio", "ttft_p50_ms", "<=", 1.0),
                       ("output tok/s ratio", "output_tok_per_s", ">=", 1.0)],
@@ -101,9 +105,13 @@ WORKLOAD_GOALS = {
                    ("output tok/s ratio", "output_tok_per_s", ">=", 1.0)],
     "long-prefill": [("short TTFT p50 during long prefill ratio", "short_ttft_p50_during_ms",
                       "<=", 1.0)],
+    # speculative decoding (issue 34): against the same server without it
+    # (--pair baton-ngram:baton:2.0) or a peer's best speculative setting
+    "grounded": [("output tok/s ratio", "output_tok_per_s", ">=", 1.2)],
+    "chat": [("output tok/s ratio", "output_tok_per_s", ">=", 1.0)],
 }
 # the workloads whose first goal (TTFT p50) a --pair NAME:PEER:BOUND may re-bound
-PAIR_BOUND_WORKLOADS = ("shared-prefix", "multi-turn")
+PAIR_BOUND_WORKLOADS = ("shared-prefix", "multi-turn", "grounded", "chat")
 
 
 def parse_pairs(values: list[str], what: str) -> dict[str, str]:

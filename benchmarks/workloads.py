@@ -12,6 +12,13 @@ the arrival pattern differ from its random workload:
   every turn resends the whole history (a user-specific context of
   ``context_words`` words, then each question and the answer streamed back)
   plus a new question of ``question_words`` words.
+- ``grounded``: ``users`` chat clients at once asking for a given passage
+  (``passage_words`` words of the public-domain texts in benchmarks/data,
+  each request its own stretch) to be copied out with one sentence per line:
+  an answer that repeats much of its prompt, where speculative decoding by
+  prompt lookup shines (editing, extraction, RAG, code).
+- ``chat``: ``users`` chat clients at once, open questions with nothing to
+  copy from.
 - ``long-prefill``: ``num_short`` short completions (``short_len`` token ids)
   arriving ``spacing_s`` apart on an idle server, then the same number of
   such requests (fresh prompts of the same shape) arriving while one
@@ -29,6 +36,7 @@ import argparse
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +45,7 @@ from benchmarks.serve_load import (_WORDS, MIN_TOKEN_ID, LoadResult, RequestReco
                                    auth_headers, client_session, normalize_base_url,
                                    run_pool, summarize, timed_request)
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-prefill")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-prefill", "grounded", "chat")
 
 # RNG streams, so that prefixes, questions and contexts never coincide
 _PREFIX, _QUESTION, _CONTEXT, _LONG, _SHORT = range(1, 6)
@@ -125,6 +133,60 @@ async def run_multi_turn(base_url: str, model: str, *, users: int = 16, turns: i
             summarize(later, wall_s, **{**fields, "num_requests": len(later)}))
 
 
+_DATA = Path(__file__).resolve().parent / "data"
+_TOPICS = ("the sea", "a lighthouse keeper", "bread", "winter in a city", "a lost key",
+           "the first bicycle", "bees", "a night train", "an old map", "rain on a roof",
+           "a chess game", "mountains", "a letter never sent", "the moon", "a garden",
+           "a clockmaker")
+_ASKS = ("Write a short story about {}.", "Explain how {} changed someone's life.",
+         "Describe {} to a child.", "Write a poem about {}.")
+
+
+def passage(index: int, n_words: int) -> str:
+    """Request ``index``'s stretch of ``n_words`` words of the benchmark texts
+    (each request starts elsewhere, so no two share a prompt prefix)."""
+    text = " ".join(" ".join((_DATA / name).read_text().split())
+                    for name in sorted(p.name for p in _DATA.glob("*.txt")))
+    all_words = text.split()
+    start = (index * 97) % max(1, len(all_words) - n_words)
+    return " ".join(all_words[start:start + n_words])
+
+
+def _chat(model: str, content: str, output_len: int) -> bytes:
+    return json.dumps({
+        "model": model, "messages": [{"role": "user", "content": content}],
+        "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}).encode()
+
+
+async def run_grounded(base_url: str, model: str, *, users: int = 1, num_requests: int = 4,
+                       passage_words: int = 300, output_len: int = 256, seed: int = 0,
+                       api_key: str | None = None, timeout: float = 900.0) -> LoadResult:
+    base = normalize_base_url(base_url)
+    bodies = [_chat(model, f"Task {seed}-{k}. Copy out the following text exactly, one "
+                           f"sentence per line:\n\n{passage(seed * 1000 + k, passage_words)}",
+                    output_len) for k in range(num_requests)]
+    records, wall_s = await run_pool(base + "/v1/chat/completions", bodies, users, api_key,
+                                     timeout)
+    return summarize(records, wall_s, **_run_fields(base, model, users, num_requests,
+                                                    passage_words, output_len, seed))
+
+
+async def run_chat(base_url: str, model: str, *, users: int = 1, num_requests: int = 4,
+                   output_len: int = 256, seed: int = 0, api_key: str | None = None,
+                   timeout: float = 900.0) -> LoadResult:
+    base = normalize_base_url(base_url)
+    bodies = []
+    for k in range(num_requests):
+        i = seed * 1000 + k
+        ask = _ASKS[i % len(_ASKS)].format(_TOPICS[(i // len(_ASKS)) % len(_TOPICS)])
+        bodies.append(_chat(model, f"({i}) {ask}", output_len))
+    records, wall_s = await run_pool(base + "/v1/chat/completions", bodies, users, api_key,
+                                     timeout)
+    return summarize(records, wall_s, **_run_fields(base, model, users, num_requests, 0,
+                                                    output_len, seed))
+
+
 async def run_long_prefill(base_url: str, model: str, *, long_len: int = 4000,
                            short_len: int = 100, num_short: int = 8, spacing_s: float = 0.1,
                            delay_s: float = 0.1, output_len: int = 16, seed: int = 0,
@@ -189,6 +251,10 @@ async def run_workload(workload: str, base_url: str, model: str, seed: int,
                 "later_cached_share": later.cached_share, "result": everything.to_dict()}
     if workload == "long-prefill":
         return await run_long_prefill(base_url, model, seed=seed, **options)
+    if workload == "grounded":
+        return {**_figures(await run_grounded(base_url, model, seed=seed, **options))}
+    if workload == "chat":
+        return {**_figures(await run_chat(base_url, model, seed=seed, **options))}
     raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
 
 
@@ -218,6 +284,9 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--long-len", type=int, default=4000, help="long-prefill")
     ap.add_argument("--short-len", type=int, default=100, help="long-prefill")
     ap.add_argument("--num-short", type=int, default=8, help="long-prefill")
+    ap.add_argument("--passage-words", type=int, default=300, help="grounded")
+    ap.add_argument("--workload-requests", type=int, default=None,
+                    help="grounded and chat: requests (default 4 x --users)")
 
 
 def check_workload_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -238,5 +307,10 @@ def workload_options(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     if workload == "multi-turn":
         return dict(users=args.users or 16, turns=args.turns, context_words=args.context_words,
                     question_words=args.question_words, **common)
+    if workload in ("grounded", "chat"):
+        users = args.users or 1
+        extra = dict(passage_words=args.passage_words) if workload == "grounded" else {}
+        return dict(users=users, num_requests=args.workload_requests or 4 * users, **extra,
+                    **common)
     return dict(long_len=args.long_len, short_len=args.short_len, num_short=args.num_short,
                 vocab=args.vocab, **common)

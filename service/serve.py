@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import threading
 import time
@@ -64,7 +65,12 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
         log_lifecycle("stopped", during="loading")
         await runner.cleanup()
         obs.tracing.shutdown()
-        return 0
+        # The loading thread is still inside torch: letting the interpreter
+        # tear down around it aborts in C++ (rc 134). Nothing is served or
+        # held yet, so leave at once.
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(0)
     try:
         core = loading.result()
     except Exception:

@@ -349,3 +349,19 @@ def test_a_stream_whose_client_stops_reading_is_ended(tiny_llama_dir):
     assert '"type":"client_too_slow"' in text, text[-500:]
     assert '"finish_reason":"length"' not in text
     assert "data:[DONE]" in text[-100:]
+
+
+async def test_sigterm_while_the_model_loads_exits_cleanly(tmp_path):
+    """An orchestrator's SIGTERM during start-up, while the embedded model is
+    converted and loaded on the loading thread: the process says it stopped
+    while loading and exits 0 (it aborted in C++ teardown, rc 134, while that
+    thread was still in torch)."""
+    async with _baton_serve(tmp_path, "--enforce-eager", "--conversion-cache", "none",
+                            "--kv-cache-memory", "64MiB") as (proc, base, http, health):
+        await _wait_for_status(proc, health, 503, 90)   # listening, loading
+        await asyncio.sleep(1.0)                        # well inside the load
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert '"during": "loading"' in log and "terminate called" not in log
