@@ -60,7 +60,7 @@ def sample_positions(rows, pools) -> tuple[list[SamplePosition], list[int]]:
         start += len(row.token_ids)
         if not row.sample or pools(row):
             continue
-        k = len(getattr(row, "spec_token_ids", ()))  # a tensor-parallel ForwardRow: none
+        k = len(row.spec_token_ids)
         for offset in range(k + 1):
             positions.append(SamplePosition(row, offset))
             index.append(start - 1 - k + offset)

@@ -124,9 +124,6 @@ def _speculator(args: EngineArgs, backend, tokenizer):
         return None
     from scheduler.speculative import SpeculativeConfig, Speculator
     spec = SpeculativeConfig.parse(args.speculative_config)
-    if args.parallel.tensor_parallel_size > 1:
-        raise ValueError("--speculative-config with --tensor-parallel-size: verification "
-                         "rows are not sharded yet; serve without one of them")
     proposer = None
     if spec.method == "draft_model":
         proposer = _draft_proposer(spec, args, backend, tokenizer)

@@ -72,3 +72,28 @@ def assert_all_free(core: EngineCore) -> None:
     core.release_finished()
     sizes = core.state_sizes()
     assert not any(sizes.values()), f"per-request state left behind: {sizes}"
+
+
+class OracleProposer:
+    """Proposals from a reference run: always right, always wrong, or right
+    at every other position."""
+
+    def __init__(self, reference: dict[str, list[int]], mode: str, vocab: int) -> None:
+        self.reference, self.mode, self.vocab = reference, mode, vocab
+        self.request_ids: set[str] = set()
+        self.calls = 0
+
+    def propose_for(self, wanted, kv_cache=None) -> dict[str, list[int]]:
+        self.calls += 1
+        out = {}
+        for request, k in wanted:
+            n = request.num_output_tokens
+            right = self.reference[request.request_id][n:n + k]
+            wrong = [(t + 1) % self.vocab for t in right]
+            out[request.request_id] = {"right": right, "wrong": wrong,
+                                       "half": [w if i % 2 else r for i, (r, w) in
+                                                enumerate(zip(right, wrong))]}[self.mode]
+        return out
+
+    def release(self, request_ids) -> None:
+        pass

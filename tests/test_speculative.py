@@ -15,7 +15,7 @@ import torch
 
 from backends.interface import SamplingParams
 from scheduler.speculative import (NgramProposer, ProposalBudget, SpeculativeConfig)
-from tests.engine_helpers import assert_all_free, make_engine, run_all
+from tests.engine_helpers import OracleProposer, assert_all_free, make_engine, run_all
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
 
@@ -103,31 +103,6 @@ def test_budget_shares_the_cheap_rows_by_acceptance():
 
 
 # ------------------------------------------------------------------ engine
-class _Oracle:
-    """Proposals from a reference run: always right, always wrong, or right
-    at every other position."""
-
-    def __init__(self, reference: dict[str, list[int]], mode: str, vocab: int) -> None:
-        self.reference, self.mode, self.vocab = reference, mode, vocab
-        self.request_ids: set[str] = set()
-        self.calls = 0
-
-    def propose_for(self, wanted, kv_cache=None) -> dict[str, list[int]]:
-        self.calls += 1
-        out = {}
-        for request, k in wanted:
-            n = request.num_output_tokens
-            right = self.reference[request.request_id][n:n + k]
-            wrong = [(t + 1) % self.vocab for t in right]
-            out[request.request_id] = {"right": right, "wrong": wrong,
-                                       "half": [w if i % 2 else r for i, (r, w) in
-                                                enumerate(zip(right, wrong))]}[self.mode]
-        return out
-
-    def release(self, request_ids) -> None:
-        pass
-
-
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
     "seeded": SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11, max_tokens=24,
@@ -165,7 +140,7 @@ def test_output_is_the_output_without_speculation(tiny_llama_dir, params, mode):
     prompts = _prompts(plain.vocab_size)
     reference = run_all(plain, prompts, PARAMS[params])
     core = make_engine(tiny_llama_dir, speculative_config=NGRAM)
-    oracle = _Oracle({r: v.token_ids for r, v in reference.items()}, mode, core.vocab_size)
+    oracle = OracleProposer({r: v.token_ids for r, v in reference.items()}, mode, core.vocab_size)
     core.speculator.proposer = oracle
     spec = run_all(core, prompts, PARAMS[params])   # also checks every block came back
     _same(reference, spec)
@@ -188,7 +163,7 @@ def test_greedy_equal_for_each_architecture(request, new_arch_dirs, arch):
     prompts = _prompts(plain.vocab_size)
     reference = run_all(plain, prompts, PARAMS["greedy"])
     core = make_engine(path, speculative_config=NGRAM)
-    core.speculator.proposer = _Oracle({r: v.token_ids for r, v in reference.items()}, "half",
+    core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()}, "half",
                                        core.vocab_size)
     _same(reference, run_all(core, prompts, PARAMS["greedy"]))
 
@@ -202,7 +177,7 @@ def test_bf16_and_the_compiled_step(tiny_llama_dir, monkeypatch, tmp_path):
         prompts = _prompts(plain.vocab_size)
         reference = run_all(plain, prompts, PARAMS["seeded"])
         core = make_engine(tiny_llama_dir, speculative_config=NGRAM, **extra)
-        core.speculator.proposer = _Oracle({r: v.token_ids for r, v in reference.items()},
+        core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()},
                                            "half", core.vocab_size)
         spec = run_all(core, prompts, PARAMS["seeded"])
         assert [v.token_ids for v in spec.values()] == [v.token_ids for v in reference.values()]
@@ -225,7 +200,7 @@ def test_stops_inside_accepted_proposals(tiny_llama_dir):
     for params in variants:
         reference = run_all(make_engine(tiny_llama_dir), prompts, params)
         core = make_engine(tiny_llama_dir, speculative_config=NGRAM)
-        core.speculator.proposer = _Oracle({r: v.token_ids for r, v in free.items()}, "right",
+        core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in free.items()}, "right",
                                            core.vocab_size)
         spec = run_all(core, prompts, params)
         for r in prompts:
@@ -243,13 +218,13 @@ def test_preemption_prefix_caching_and_aborts(tiny_llama_dir):
     small = dict(num_kv_blocks=26, block_size=4, max_model_len=64)
     reference = run_all(make_engine(tiny_llama_dir, **small), prompts, PARAMS["greedy"])
     core = make_engine(tiny_llama_dir, speculative_config=NGRAM, **small)
-    core.speculator.proposer = _Oracle({r: v.token_ids for r, v in reference.items()},
+    core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()},
                                        "half", core.vocab_size)
     spec = run_all(core, prompts, PARAMS["greedy"])
     assert core.scheduler.num_preemptions_total > 0
     _same(reference, spec)
     core = make_engine(tiny_llama_dir, speculative_config=NGRAM)
-    core.speculator.proposer = _Oracle({r: v.token_ids for r, v in reference.items()},
+    core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()},
                                        "right", core.vocab_size)
     for rid, ids in prompts.items():
         core.add_request(rid, ids, PARAMS["greedy"])
@@ -273,7 +248,7 @@ def test_rejected_proposals_return_their_blocks(tiny_llama_dir):
     core = make_engine(tiny_llama_dir, speculative_config=json.dumps(
         {"method": "ngram", "num_speculative_tokens": 8}), block_size=4)
     prompts = _prompts(core.vocab_size)
-    core.speculator.proposer = _Oracle({r: [0] * 64 for r in prompts}, "wrong",
+    core.speculator.proposer = OracleProposer({r: [0] * 64 for r in prompts}, "wrong",
                                        core.vocab_size)
     for rid, ids in prompts.items():
         core.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=20,
@@ -315,7 +290,7 @@ def test_ngram_speculates_on_repetitive_text_and_reports_it(tiny_llama_dir):
 def test_structured_requests_do_not_speculate(tiny_llama_dir):
     from backends.interface import StructuredOutputSpec
     core = make_engine(tiny_llama_dir, speculative_config=NGRAM)
-    oracle = _Oracle({"j": [0] * 64}, "right", core.vocab_size)
+    oracle = OracleProposer({"j": [0] * 64}, "right", core.vocab_size)
     core.speculator.proposer = oracle
     params = SamplingParams(temperature=0.0, max_tokens=12, structured=StructuredOutputSpec(
         "choice", '["yes", "no", "maybe"]'))
@@ -342,7 +317,7 @@ def test_seeded_sampling_keeps_its_distribution(tiny_llama_dir):
     core = make_engine(tiny_llama_dir, seed=2, speculative_config=NGRAM)
     # proposals: always the plain run's most frequent continuation
     top = max(plain, key=plain.get)
-    core.speculator.proposer = _Oracle({f"r{i}": list(top) for i in range(runs)}, "right",
+    core.speculator.proposer = OracleProposer({f"r{i}": list(top) for i in range(runs)}, "right",
                                        core.vocab_size)
     spec = counts(core)
     keys = sorted(set(plain) | set(spec), key=lambda k: -(plain.get(k, 0) + spec.get(k, 0)))
@@ -404,7 +379,7 @@ def test_served_streams_metrics_and_dashboard(tiny_llama_dir):
     for spec in (None, NGRAM):
         core = make_engine(tiny_llama_dir, speculative_config=spec)
         if spec is not None:  # proposals: the plain server's continuation
-            core.speculator.proposer = _Oracle(_Reference(reference_ids), "right",
+            core.speculator.proposer = OracleProposer(_Reference(reference_ids), "right",
                                                core.vocab_size)
         with running_server(core, model_name="m") as server:
             client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")

@@ -23,7 +23,8 @@ from backends.models.weight_spec import GATE_UP_PACKED, QKV_PACKED
 from backends.parallel.sharding import CheckpointShard, Partition, ShardingError
 from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
-from tests.engine_helpers import make_engine, run_all
+from scheduler.speculative import SpeculativeConfig, Speculator
+from tests.engine_helpers import OracleProposer, assert_all_free, make_engine, run_all
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
@@ -252,12 +253,38 @@ def test_tp2_prompt_logprobs_and_seeded_sampling_equal_tp1(engines):
                 entry = got.setdefault(out.request_id, {"ids": [], "prompt": []})
                 entry["ids"] += out.new_token_ids
                 entry["prompt"] += out.prompt_logprobs or []
+        assert_all_free(core)  # (the backend is shared with the next test's cores)
         results.append(got)
     one, two = results
     assert two["p1-33"]["ids"] == one["p1-33"]["ids"]
     assert [e.token_id for e in two["p0-5"]["prompt"]] == prompts["p0-5"][1:]
     for a, b in zip(two["p0-5"]["prompt"], one["p0-5"]["prompt"]):
         assert abs(a.logprob - b.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("engines", ["llama"], indirect=True)
+def test_tp2_speculative_decoding_equals_tp1_without(engines):
+    """Verification rows (k + 1 sampled positions) reach the other rank, which
+    gathers as many rows of logits: the tokens of the plain TP=1 run, with
+    proposals right at every other position."""
+    arch, single, sharded = engines
+    prompts = _prompts((5, 17, 30), seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    reference = run_all(_core_over(single, "batched"), prompts, params)
+    spec = SpeculativeConfig("ngram", 3)
+    proposer = OracleProposer({r: v.token_ids for r, v in reference.items()}, "half",
+                              single.vocab_size)
+    core = _core_over(sharded, "batched")
+    core = EngineCore(core.backend, core.tokenizer, core.config, vocab_size=core.vocab_size,
+                      eos_token_ids=tuple(core.eos_token_ids), model_name=core.model_name,
+                      generation=core.generation,
+                      speculator=Speculator(spec, sharded.backend.speculative_budget, proposer))
+    got = run_all(core, prompts, params)
+    assert sum(r.spec_accepted for r in got.values()) > 0
+    for rid in prompts:
+        assert got[rid].token_ids == reference[rid].token_ids, rid
+        for a, b in zip(got[rid].logprobs, reference[rid].logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 
 
 # ------------------------------------------------------------------- CUDA

@@ -60,6 +60,9 @@ class ForwardRow(NamedTuple):
     sample: bool
     # An embedding request's row (pooled, never sampled; backends/pooling.py).
     pool: bool = False
+    # Speculative proposals this row verifies: its last k + 1 positions are
+    # sampled, so every rank gathers that many rows of logits.
+    spec_token_ids: tuple[int, ...] = ()
 
 
 class TensorParallelGroup:
@@ -231,7 +234,8 @@ class TensorParallelGroup:
         """Rank 0: send this step's rows (in batch order) and the row spans
         whose prompt logprobs it computes to every other rank."""
         message = ([ForwardRow(r.token_ids, r.start_pos, r.block_table, r.sample,
-                               getattr(r, "pooling", None) is not None)
+                               getattr(r, "pooling", None) is not None,
+                               tuple(getattr(r, "spec_token_ids", ())))
                     for r in rows], spans)
         self._collective("the step broadcast", dist.broadcast_object_list, [message],
                          src=0, group=self.control)
