@@ -13,7 +13,7 @@ permuted per head), plus the embedded model itself exported as a folder.
 
 Writes OUT/<name>/ (config.json, model.safetensors, tokenizer files) and
 OUT/<name>.gguf for 360m and 1.7b; OUT/smollm2-135m/ is the embedded model
-(`baton export`). Sizes: 360m 0.72 GB, 1.7b 3.4 GB, each twice (folder and
+(`baton export`) and OUT/smollm2-135m-bf16.gguf its bf16 GGUF. Sizes: 360m 0.72 GB, 1.7b 3.4 GB, each twice (folder and
 GGUF). Prints each file's path and size.
 """
 
@@ -35,6 +35,8 @@ from backends.loader.export import export_hf_folder  # noqa: E402
 
 # SmolLM2's published configurations (Hugging Face, HuggingFaceTB/SmolLM2-*).
 SHAPES = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0),
     "360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
                  num_attention_heads=15, num_key_value_heads=5, rope_theta=100000.0),
     "1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
@@ -104,7 +106,7 @@ def write_gguf(path: Path, name: str, shape: dict, weights: dict[str, torch.Tens
     import gguf
     reader = gguf.GGUFReader(str(embedded_gguf))
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(f"random {name} (SmolLM2-{name} shape)")
+    writer.add_name(f"{name} (SmolLM2-{name} shape)")
     writer.add_block_count(shape["num_hidden_layers"])
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(shape["hidden_size"])
@@ -166,7 +168,13 @@ def main() -> None:
         export_hf_folder(load_model(embedded, dtype=torch.bfloat16), base, torch.bfloat16)
     print(f"{base}: {_size(base)}")
     for name in args.models:
-        if name == "135m":
+        if name == "135m":  # the embedded model's bf16 weights as a bf16 GGUF
+            gguf_path = args.out / "smollm2-135m-bf16.gguf"
+            if not gguf_path.exists():
+                weights = load_model(embedded, dtype=torch.bfloat16).weights
+                weights.pop("lm_head.weight", None)  # tied
+                write_gguf(gguf_path, name, SHAPES[name], weights, embedded)
+            print(f"{gguf_path}: {_size(gguf_path)}")
             continue
         shape = SHAPES[name]
         folder, gguf_path = args.out / f"random-{name}", args.out / f"random-{name}.gguf"
