@@ -163,8 +163,8 @@ def test_greedy_equal_for_each_architecture(request, new_arch_dirs, arch):
     prompts = _prompts(plain.vocab_size)
     reference = run_all(plain, prompts, PARAMS["greedy"])
     core = make_engine(path, speculative_config=NGRAM)
-    core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()}, "half",
-                                       core.vocab_size)
+    core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()},
+                                              "half", core.vocab_size)
     _same(reference, run_all(core, prompts, PARAMS["greedy"]))
 
 
@@ -178,7 +178,7 @@ def test_bf16_and_the_compiled_step(tiny_llama_dir, monkeypatch, tmp_path):
         reference = run_all(plain, prompts, PARAMS["seeded"])
         core = make_engine(tiny_llama_dir, speculative_config=NGRAM, **extra)
         core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()},
-                                           "half", core.vocab_size)
+                                                  "half", core.vocab_size)
         spec = run_all(core, prompts, PARAMS["seeded"])
         assert [v.token_ids for v in spec.values()] == [v.token_ids for v in reference.values()]
 
@@ -200,8 +200,8 @@ def test_stops_inside_accepted_proposals(tiny_llama_dir):
     for params in variants:
         reference = run_all(make_engine(tiny_llama_dir), prompts, params)
         core = make_engine(tiny_llama_dir, speculative_config=NGRAM)
-        core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in free.items()}, "right",
-                                           core.vocab_size)
+        core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in free.items()},
+                                                  "right", core.vocab_size)
         spec = run_all(core, prompts, params)
         for r in prompts:
             assert spec[r].token_ids == reference[r].token_ids
@@ -219,13 +219,13 @@ def test_preemption_prefix_caching_and_aborts(tiny_llama_dir):
     reference = run_all(make_engine(tiny_llama_dir, **small), prompts, PARAMS["greedy"])
     core = make_engine(tiny_llama_dir, speculative_config=NGRAM, **small)
     core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()},
-                                       "half", core.vocab_size)
+                                              "half", core.vocab_size)
     spec = run_all(core, prompts, PARAMS["greedy"])
     assert core.scheduler.num_preemptions_total > 0
     _same(reference, spec)
     core = make_engine(tiny_llama_dir, speculative_config=NGRAM)
     core.speculator.proposer = OracleProposer({r: v.token_ids for r, v in reference.items()},
-                                       "right", core.vocab_size)
+                                              "right", core.vocab_size)
     for rid, ids in prompts.items():
         core.add_request(rid, ids, PARAMS["greedy"])
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -249,7 +249,7 @@ def test_rejected_proposals_return_their_blocks(tiny_llama_dir):
         {"method": "ngram", "num_speculative_tokens": 8}), block_size=4)
     prompts = _prompts(core.vocab_size)
     core.speculator.proposer = OracleProposer({r: [0] * 64 for r in prompts}, "wrong",
-                                       core.vocab_size)
+                                              core.vocab_size)
     for rid, ids in prompts.items():
         core.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=20,
                                                   ignore_eos=True))
@@ -318,7 +318,7 @@ def test_seeded_sampling_keeps_its_distribution(tiny_llama_dir):
     # proposals: always the plain run's most frequent continuation
     top = max(plain, key=plain.get)
     core.speculator.proposer = OracleProposer({f"r{i}": list(top) for i in range(runs)}, "right",
-                                       core.vocab_size)
+                                              core.vocab_size)
     spec = counts(core)
     keys = sorted(set(plain) | set(spec), key=lambda k: -(plain.get(k, 0) + spec.get(k, 0)))
     common = keys[:6]
@@ -375,12 +375,12 @@ def test_served_streams_metrics_and_dashboard(tiny_llama_dir):
 
     from tests.server_helpers import running_server
     body = dict(model="m", prompt="hello hello hello hello", max_tokens=24, temperature=0.0)
-    texts = []
+    texts, reference_ids = [], []
     for spec in (None, NGRAM):
         core = make_engine(tiny_llama_dir, speculative_config=spec)
         if spec is not None:  # proposals: the plain server's continuation
             core.speculator.proposer = OracleProposer(_Reference(reference_ids), "right",
-                                               core.vocab_size)
+                                                      core.vocab_size)
         with running_server(core, model_name="m") as server:
             client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
             stream = client.completions.create(stream=True, **body)

@@ -21,7 +21,6 @@ from backends.interface import SamplingParams
 from backends.parallel.config import ParallelConfig, ParallelConfigError
 from backends.models.weight_spec import GATE_UP_PACKED, QKV_PACKED
 from backends.parallel.sharding import CheckpointShard, Partition, ShardingError
-from scheduler.config import SchedulerConfig
 from scheduler.engine import EngineCore
 from scheduler.speculative import SpeculativeConfig, Speculator
 from tests.engine_helpers import OracleProposer, assert_all_free, make_engine, run_all
