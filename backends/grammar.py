@@ -125,6 +125,29 @@ class GrammarMatcher:
                                              bitmask_row.numel() * bitmask_row.element_size())
         self._charge(start)
 
+    def fill_bitmasks_along(self, proposals: list[int], bitmask_rows: Any) -> None:
+        """The masks of a verification row's ``len(proposals) + 1``
+        positions, one row of ``bitmask_rows`` each: position j's is the
+        mask after the first j proposals. Past a proposal the grammar
+        refuses, the rows repeat the last mask: that proposal is rejected
+        there, so no later position is kept. The matcher ends where it began."""
+        start = time.perf_counter()
+        taken = 0
+        try:
+            for j in range(len(proposals) + 1):
+                if j > taken:
+                    bitmask_rows[j].copy_(bitmask_rows[taken])
+                    continue
+                row = bitmask_rows[j]
+                self.matcher.unsafe_compute_mask_ptr(row.data_ptr(),
+                                                     row.numel() * row.element_size())
+                if j < len(proposals) and self.matcher.try_consume_tokens([proposals[j]]) == 1:
+                    taken += 1
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
+            self._charge(start)
+
     def accept(self, token_id: int) -> bool:
         start = time.perf_counter()
         ok = self.matcher.consume_token(token_id)
@@ -201,6 +224,19 @@ def settle_tokens(accepting: list[tuple[int, GrammarMatcher]],
             failures[i] = why
             log.warning("request %s: %s", request_ids[i], _log_safe(why))
     return failures
+
+
+def settle_kept(matcher: GrammarMatcher, token_ids: tuple[int, ...], request_id: str
+                ) -> str | None:
+    """Advance a speculative row's matcher by the tokens it kept (its
+    accepted proposals and its own token); why its constraint can no longer
+    be kept, if so (logged as ``settle_tokens`` does)."""
+    for token_id in token_ids:
+        matcher.accept(token_id)
+    why = matcher.failure()
+    if why is not None:
+        log.warning("request %s: %s", request_id, _log_safe(why))
+    return why
 
 
 def short_error(message: str) -> str:

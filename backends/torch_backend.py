@@ -25,7 +25,8 @@ import torch
 from backends.attention import (AttentionMetadata, PrefillSegment, SharedPrefix,
                                 find_shared_prefixes)
 from backends.errors import GRAMMAR_ERROR
-from backends.grammar import BitmaskFiller, GrammarCompiler, GrammarMatcher, settle_tokens
+from backends.grammar import (BitmaskFiller, GrammarCompiler, GrammarMatcher, settle_kept,
+                              settle_tokens)
 from backends.config import LoadedModel, ModelConfig
 from backends.cpu_threads import DEFAULT_THREADS, ThreadGovernor
 from backends.device import DTYPES, cuda_kv_budget, zeros_lazily
@@ -390,14 +391,17 @@ class TorchBackend:
             input_ids, positions, meta, sample_rows, logits_index = self._prepare(
                 rows, filled, shared)
         batch = self._sampling_batch(sample_rows)
+        rewind_rows = len(sample_rows) > len({p.request_id for p in sample_rows})
         constrained, waiting = self._grammar_rows(sample_rows, batch)
         grammar_rows = constrained + waiting
         masks = self._bitmasks.start([m for _, m in constrained], self._spare_core()) \
             if constrained else None
+        spec_grammar = self._speculative_grammar_rows(sample_rows) if rewind_rows else []
+        spec_masks = self._speculative_masks(spec_grammar) if spec_grammar else None
         t1 = time.perf_counter()
         timings.prepare = t1 - t0
 
-        plain = not constrained and not waiting and plain_greedy(batch)
+        plain = not constrained and not waiting and not spec_grammar and plain_greedy(batch)
         prompt_logprobs = {}
         pooled, pool_failed = {}, {}
         if token_rows:
@@ -441,13 +445,18 @@ class TorchBackend:
         t2 = time.perf_counter()
         timings.forward = t2 - t1
 
-        if masks is not None:
-            batch.allowed = (torch.tensor([i for i, _ in constrained]).to(self.device),
-                             masks.result().to(self.device))
+        if masks is not None or spec_masks is not None:
+            index = [i for i, _ in constrained]
+            parts = [masks.result()] if masks is not None else []
+            if spec_masks is not None:
+                index += spec_masks[0]
+                parts.append(spec_masks[1])
+            batch.allowed = (torch.tensor(index).to(self.device),
+                             torch.cat(parts).to(self.device))
         # A row with a NaN or an infinity cannot be sampled; its request fails
         # alone (amax propagates NaN). -1 marks it in the one host transfer.
         rewind = None
-        if len(sample_rows) > len({p.request_id for p in sample_rows}):  # speculative rows
+        if rewind_rows:  # speculative rows
             rewind = Rewind(sample_rows, {rid: state.generator
                                           for rid, state in self._states.items()},
                             self.config.vocab_size)
@@ -477,6 +486,16 @@ class TorchBackend:
         for request_id in nonfinite:
             failed.setdefault(request_id, "the model produced non-finite logits (NaN or "
                                           "infinity) for this request")
+        if spec_grammar:
+            kept = {v.request_id: (*v.accepted, v.token_id) for v in verified}
+            for first, matcher, _ in spec_grammar:
+                request_id = sample_rows[first].request_id
+                if request_id not in kept or request_id in failed:
+                    continue
+                why = settle_kept(matcher, kept[request_id], request_id)
+                if why is not None:
+                    failed[request_id] = why
+                    error_types[request_id] = GRAMMAR_ERROR
         for v in verified:
             if v.request_id in failed:
                 continue
@@ -496,6 +515,27 @@ class TorchBackend:
         timings.sample = time.perf_counter() - t2
         return result
 
+    def _speculative_grammar_rows(self, rows: list[SamplePosition]
+                                  ) -> list[tuple[int, GrammarMatcher, list[int]]]:
+        """``(first position, matcher, proposals)`` of each constrained
+        speculative row: its positions are masked up front, each at the
+        grammar's state after the proposals before it (``fill_bitmasks_along``);
+        after verification its matcher takes the tokens the row kept."""
+        return [(i, state.grammar, p.scheduled.spec_token_ids) for i, p in enumerate(rows)
+                if p.offset == 0 and p.scheduled.spec_token_ids
+                and (state := self._states[p.request_id]).grammar is not None]
+
+    def _speculative_masks(self, rows: list[tuple[int, GrammarMatcher, list[int]]]
+                           ) -> tuple[list[int], torch.Tensor]:
+        index, width = [], self._bitmasks.width
+        masks = torch.empty((sum(len(p) + 1 for _, _, p in rows), width), dtype=torch.int32)
+        for first, matcher, proposals in rows:
+            n = len(proposals) + 1
+            matcher.fill_bitmasks_along(proposals, masks[len(index):len(index) + n])
+            index += range(first, first + n)
+        self.grammar_rows["masked"] += len(index)
+        return index, masks
+
     def _grammar_rows(self, rows: list[ScheduledRequest], batch: SamplingBatch
                       ) -> tuple[list[tuple[int, GrammarMatcher]],
                                  list[tuple[int, GrammarMatcher]]]:
@@ -514,7 +554,8 @@ class TorchBackend:
         filled on a helper thread while the forward pass runs, at no cost to
         the step, and every row is masked first."""
         constrained = [(i, state.grammar) for i, r in enumerate(rows)
-                       if (state := self._states[r.request_id]).grammar is not None]
+                       if (state := self._states[r.request_id]).grammar is not None
+                       and not r.scheduled.spec_token_ids]
         defer = self.defer_grammar_masks
         if defer is None:
             defer = self.device.type == "cpu"

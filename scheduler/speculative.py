@@ -249,9 +249,9 @@ class ProposalBudget:
 
 class Speculator:
     """Proposes the next step's tokens for the decoding requests: which ones
-    may (not those under a structured-output constraint, whose grammar would
-    have to follow proposals it may reject; not past max_tokens or the
-    context), how many (ProposalBudget), and what (the proposer: n-gram
+    may (not past max_tokens or the context; a structured-output
+    constraint's grammar masks each verified position: backends/grammar.py,
+    ``fill_bitmasks_along``), how many (ProposalBudget), and what (the proposer: n-gram
     lookup, or a draft model: scheduler/draft.py)."""
 
     def __init__(self, config: SpeculativeConfig, budget: int, proposer=None) -> None:
@@ -264,8 +264,7 @@ class Speculator:
         """Set ``spec_token_ids`` of each request in ``running`` that decodes
         next step (its newest token is all it has left to compute)."""
         decoding = [r for r in running
-                    if r.num_computed_tokens == r.num_tokens - 1 and r.pooling is None
-                    and r.sampling_params.structured is None]
+                    if r.num_computed_tokens == r.num_tokens - 1 and r.pooling is None]
         for request in running:
             request.spec_token_ids = []
         shares = self.budget.shares([r.request_id for r in decoding])

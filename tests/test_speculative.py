@@ -287,15 +287,76 @@ def test_ngram_speculates_on_repetitive_text_and_reports_it(tiny_llama_dir):
     assert {s.spec_method for s in seen if s.spec_verified_rows} == {"ngram"}
 
 
-def test_structured_requests_do_not_speculate(tiny_llama_dir):
+# Every value bounded, so even a random-weight model must finish it.
+_SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["ok", "level", "tags"], "additionalProperties": False}
+
+
+def _structured(**kw) -> SamplingParams:
     from backends.interface import StructuredOutputSpec
+    return SamplingParams(max_tokens=48, structured=StructuredOutputSpec(
+        "json", json.dumps(_SCHEMA)), **kw)
+
+
+def test_masks_along_proposals_are_the_masks_step_by_step_and_roll_back(tiny_llama_dir):
+    """Position j's mask is the grammar's after the first j proposals; past
+    a refused proposal the masks repeat; the matcher ends where it began."""
+    from backends.grammar import settle_kept
+    core = make_engine(tiny_llama_dir)
+    grammar = core.backend.grammar
+    reference = run_all(core, {"r": [5, 6, 7]}, _structured(temperature=0.0))["r"].token_ids
+    width = (grammar.vocab_size + 31) // 32
+    along = grammar.compile(_structured().structured).new_matcher()
+    step = grammar.compile(_structured().structured).new_matcher()
+    tokens = reference[:6]
+    settle_kept(along, tuple(tokens[:2]), "r")   # somewhere inside the output
+    settle_kept(step, tuple(tokens[:2]), "r")
+    proposals = tokens[2:5] + [0]
+    assert along.matcher.validate_tokens(proposals) == 3  # token 0 is no JSON
+    masks = torch.empty((len(proposals) + 1, width), dtype=torch.int32)
+    along.fill_bitmasks_along(proposals, masks)
+    one = torch.empty(width, dtype=torch.int32)
+    for j in range(len(proposals) + 1):
+        step.fill_bitmask(one)
+        if j <= 3:
+            assert torch.equal(masks[j], one), j
+        else:   # past the refused proposal the last mask repeats
+            assert torch.equal(masks[j], masks[3])
+        if j < 3:
+            assert step.accept(proposals[j])
+    assert along.matcher.validate_tokens(tokens[2:]) == len(tokens) - 2  # still at token 2
+
+
+@pytest.mark.parametrize("mode", ["right", "wrong", "half"])
+def test_structured_output_with_speculation_is_the_output_without(tiny_llama_dir, mode):
+    """The grammar masks every verified position at its own state and takes
+    only the kept tokens (rolling back what it tried): greedy and seeded
+    outputs equal the plain run's and hold the schema."""
+    plain = make_engine(tiny_llama_dir)
+    prompts = {"g": [5, 6, 7], "s": [9, 10, 11, 12]}
+    params = {"g": _structured(temperature=0.0, logprobs=2),
+              "s": _structured(temperature=0.9, seed=4, logprobs=2)}
+    reference = run_all(plain, prompts, params)
     core = make_engine(tiny_llama_dir, speculative_config=NGRAM)
-    oracle = OracleProposer({"j": [0] * 64}, "right", core.vocab_size)
+    oracle = OracleProposer({r: v.token_ids for r, v in reference.items()}, mode,
+                            core.vocab_size)
     core.speculator.proposer = oracle
-    params = SamplingParams(temperature=0.0, max_tokens=12, structured=StructuredOutputSpec(
-        "choice", '["yes", "no", "maybe"]'))
-    run_all(core, {"j": [5, 6, 7]}, params)
-    assert oracle.calls == 0
+    spec = run_all(core, prompts, params)
+    _same(reference, spec)
+    for res in spec.values():
+        assert res.finish_reason == "stop"
+        assert set(json.loads(res.text)) == {"ok", "level", "tags"}
+    proposed = sum(r.spec_proposed for r in spec.values())
+    accepted = sum(r.spec_accepted for r in spec.values())
+    assert proposed > 0
+    if mode == "right":
+        assert accepted == proposed
+    elif mode == "wrong":
+        assert accepted == 0
+    else:
+        assert 0 < accepted < proposed
 
 
 def test_seeded_sampling_keeps_its_distribution(tiny_llama_dir):
