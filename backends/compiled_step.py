@@ -133,7 +133,7 @@ class CompiledStep:
         took."""
         start = time.perf_counter()
         with heartbeat(f"compiling the model's step (cache {self.cache_dir})",
-                       enabled=progress):
+                       enabled=progress, done_line=False):
             for t in (1, 2) if one_token else (2,):
                 ids = torch.zeros(t, dtype=torch.long, device=device)
                 meta = TokenRowsMetadata(

@@ -3,7 +3,10 @@
 On a terminal a step shows a tqdm bar; anywhere else (a container's log, a CI
 job, a file) it writes a log line every few seconds saying what is being
 loaded or built and how far it is, so a slow start is never silent. Steps
-that finish before the first interval write nothing extra.
+that finish before the first interval write nothing extra. Heartbeats nest:
+while a step opened inside another runs (the model's compile inside the
+backend's preparation), only the inner one writes, so one line at a time says
+what start-up is doing.
 
 ``BATON_PROGRESS_INTERVAL`` (seconds, default 5) sets the interval.
 """
@@ -21,6 +24,11 @@ from contextlib import contextmanager
 log = logging.getLogger("baton.progress")
 
 DEFAULT_INTERVAL = 5.0
+
+# The heartbeats open on each thread, innermost last: only the innermost of a
+# thread writes its lines.
+_open_lock = threading.Lock()
+_open: dict[int, list[object]] = {}
 
 
 def interval_seconds() -> float:
@@ -100,19 +108,35 @@ class Progress:
 
 @contextmanager
 def heartbeat(what: str, status: Callable[[], str] | None = None, enabled: bool = True,
-              interval: float | None = None) -> Iterator[None]:
+              interval: float | None = None, done_line: bool = True) -> Iterator[None]:
     """While the body runs, log '<what>: <status()>, <seconds>s' every
     interval, for steps that cannot count their own progress (a compiler
-    run, a download by another library). Logs nothing for a short body."""
+    run, a download by another library), unless a heartbeat opened later on
+    the same thread is running: then that one speaks. Logs nothing for a
+    short body. Once it has written a line it ends with '<what>: done in
+    <seconds>s', unless ``done_line`` is False (the caller logs its own
+    result line)."""
     if not enabled:
         yield
         return
     every = interval_seconds() if interval is None else interval
     stop = threading.Event()
     start = time.monotonic()
+    owner, token = threading.get_ident(), object()
+    with _open_lock:
+        _open.setdefault(owner, []).append(token)
+    beats = 0
+
+    def innermost() -> bool:
+        with _open_lock:
+            return _open[owner][-1] is token
 
     def beat() -> None:
+        nonlocal beats
         while not stop.wait(every):
+            if not innermost():
+                continue
+            beats += 1
             detail = ""
             if status is not None:
                 try:
@@ -129,6 +153,9 @@ def heartbeat(what: str, status: Callable[[], str] | None = None, enabled: bool 
     finally:
         stop.set()
         thread.join()
-        elapsed = time.monotonic() - start
-        if elapsed >= every:
-            log.info("%s: done in %.1fs", what, elapsed)
+        with _open_lock:
+            _open[owner].remove(token)
+            if not _open[owner]:
+                del _open[owner]
+        if done_line and beats:
+            log.info("%s: done in %.1fs", what, time.monotonic() - start)

@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
-# Install everything the tests need (idempotently) and run the whole suite.
+# Install everything the tests need (idempotently) and run them.
+#   ./scripts/test.sh              the whole suite, as CI runs it (.ci/run)
+#   ./scripts/test.sh --quick      the contributor's loop: every test not marked
+#                                  `slow` (servers in subprocesses, Ray, Chromium,
+#                                  Prometheus, fuzzing, torch.compile, transformers
+#                                  on the embedded model)
+# Further arguments go to pytest (`./scripts/test.sh --quick tests/test_scheduler.py -x`);
+# both print the slowest tests (--durations).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+    quick=1
+    shift
+fi
 
 # Debian packages for the integration tests: a real Prometheus server (and
 # promtool), docker-compose to validate the compose stack without an engine,
@@ -22,13 +35,16 @@ if [ "${#need[@]}" -gt 0 ]; then
 fi
 
 ./scripts/setup.sh "[test,ray]"
-.venv/bin/python -m pytest -q -ra --durations=15 "$@"
+if [ "$quick" -eq 1 ]; then
+    exec .venv/bin/python -m pytest -q -ra --durations=15 -m "not slow" "$@"
+fi
+.venv/bin/python -m pytest -q -ra --durations=25 "$@"
 # The engine-agreement tests again as an AVX2-only CPU runs them (Baton's
 # avx2 kind, torch's AVX2 kernels, oneDNN capped at AVX2: no bf16 or AMX
 # there), so a failure on that kind shows on any machine (skipped when the
 # run was narrowed to chosen tests).
 if [ "$#" -eq 0 ]; then
     BATON_CPU_KIND=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-        .venv/bin/python -m pytest -q -ra tests/test_engine_agreement.py \
+        .venv/bin/python -m pytest -q -ra --durations=10 tests/test_engine_agreement.py \
         tests/test_compiled_step.py tests/test_cpu_kernels.py
 fi

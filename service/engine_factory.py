@@ -92,8 +92,12 @@ def load_backend(args: EngineArgs, parallel=None, device: str | None = None,
     loaded = _load(args, path, quantization, parallel.shard if parallel is not None else None)
     wanted_len = args.max_model_len or loaded.config.max_position_embeddings
     device = device or args.device
-    with heartbeat(f"building the {device} backend ({quantization.describe()})",
-                   enabled=args.progress):
+    # Placing the weights as the plan says (packed, tiled, quantized) and, within
+    # it, building kernels or compiling the step, which say so themselves; the
+    # "model loaded" line closes it.
+    what = f"preparing the model for {device}" + (
+        f" ({quantization.describe()})" if quantization.enabled else "")
+    with heartbeat(what, enabled=args.progress, done_line=False):
         backend = create_backend(loaded, BackendConfig(
             device=device, dtype=args.dtype, block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,

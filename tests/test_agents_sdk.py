@@ -24,6 +24,10 @@ from tests.engine_helpers import make_engine
 from tests.server_helpers import captured_prompts, patched_execute, running_server
 from tests.test_tool_calls import HERMES_TEMPLATE
 
+# Slow (a server on the embedded model and the Agents SDK's runs): the full suite runs these,
+# ./scripts/test.sh --quick does not.
+pytestmark = pytest.mark.slow
+
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "It is sunny in Paris."
 

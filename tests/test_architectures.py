@@ -16,10 +16,14 @@ from tests.test_engine_agreement import (GREEDY, PREEMPTION_LENGTHS, SCENARIOS, 
 # The portable torch ops (CUDA's path too) in one scenario: the layers these
 # families add run the same torch code on both paths.
 CASES = [(scenario, True) for scenario in SCENARIOS] + [("chunked_prefill", False)]
+# The quick loop (./scripts/test.sh --quick) runs each family's chunked prefill on
+# the fast paths (prefill, chunks and decode); the other cases are `slow`.
+QUICK_CASE = ("chunked_prefill", True)
 
 
-@pytest.mark.parametrize("scenario,fast_paths", CASES,
-                         ids=[f"{s}-{'fast-paths' if f else 'torch-ops'}" for s, f in CASES])
+@pytest.mark.parametrize("scenario,fast_paths", [
+    pytest.param(s, f, id=f"{s}-{'fast-paths' if f else 'torch-ops'}",
+                 marks=() if (s, f) == QUICK_CASE else pytest.mark.slow) for s, f in CASES])
 def test_greedy_matches_transformers(tiny_new_arch_dir, scenario, fast_paths):
     arch, path = tiny_new_arch_dir
     core = make_engine(path, fast_paths=fast_paths, **SCENARIOS[scenario])
@@ -32,7 +36,8 @@ def test_greedy_matches_transformers(tiny_new_arch_dir, scenario, fast_paths):
     assert_matches_reference(results, _reference(path, prompts), f"{arch}/{scenario}")
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "bfloat16"])
+@pytest.mark.parametrize("mode", ["int8", pytest.param("int4", marks=pytest.mark.slow),
+                                  pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_quantized_linears(tiny_new_arch_dir, mode):
     """int8 (per channel) and int4 (groups of 32) replace every projection
     the weight spec lists, Qwen3-MoE's experts and Phi-3's fused tensors

@@ -99,6 +99,7 @@ async def test_engine_fault_fails_only_its_step(engine):
     assert_all_free(engine.core)
 
 
+@pytest.mark.slow
 async def test_loop_keeps_ticking_during_long_prefill():
     """A real model (the embedded SmolLM2, float32) prefilling 1,500 tokens in
     one step: timers on the event loop must keep firing meanwhile."""

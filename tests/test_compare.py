@@ -104,6 +104,7 @@ FAKE_SERVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_started_servers_are_measured_then_stopped(tmp_path):
     script = tmp_path / "fake.py"
     script.write_text(FAKE_SERVER)

@@ -13,6 +13,10 @@ from backends.interface import SamplingParams
 from tests.engine_helpers import make_engine, run_all
 from tests.test_engine_agreement import _prompts, _reference, assert_matches_reference
 
+# Slow (torch.compile: seconds to tens of seconds a graph): the full suite runs these,
+# ./scripts/test.sh --quick does not.
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_NEW, ignore_eos=True,

@@ -461,6 +461,7 @@ def test_few_rows_split_their_contexts_across_threads(kind, threads, num_threads
         torch.testing.assert_close(lse, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     """Without a C compiler the loader says why and returns None; it never raises."""
     code = ("import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.INFO); "
@@ -473,6 +474,7 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     assert "no C compiler" in out.stdout
 
 
+@pytest.mark.slow
 def test_kernels_built_ahead_load_without_a_compiler(tmp_path):
     """`python -m backends.kernels` (what the image build runs) builds the one
     library of every kind into the cache (here: the suite's own, usually

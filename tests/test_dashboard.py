@@ -173,6 +173,7 @@ def _look_until(page, predicate, timeout: float, what: str) -> dict:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_dashboard_in_chromium_under_load(server):
     if chromium_binary() is None:
         if os.environ.get("CI"):

@@ -85,6 +85,7 @@ def compose() -> dict:
 
 # ------------------------------------------------------------------- compose
 
+@pytest.mark.slow
 def test_compose_files_validate(compose):
     assert set(compose["services"]) == {"baton", "otel-collector", "jaeger", "prometheus",
                                         "grafana"}
@@ -670,6 +671,7 @@ def _fetch(url: str, body: dict | None = None, key: str | None = None):
         return exc.code, json.loads(exc.read() or b"null")
 
 
+@pytest.mark.slow
 def test_entrypoint_serves_a_mounted_model_folder(tmp_path, tiny_llama_dir):
     """deploy/docker-entrypoint.sh as the image runs it: the model folder
     mounted under /models (here a temporary folder) chosen by BATON_MODEL,

@@ -21,6 +21,7 @@ def hf_gguf_model():
                                                 dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_on_embedded_gguf(hf_gguf_model):
     core = make_engine(None, max_num_batched_tokens=64, num_kv_blocks=64)
     tok = core.tokenizer

@@ -107,6 +107,7 @@ def test_every_request_failing_marks_the_step_failed(tiny_llama_dir):
     assert_all_free(core)
 
 
+@pytest.mark.slow
 def test_step_that_hangs_for_one_request(tiny_llama_dir, reference):
     """The step hangs whenever the culprit is in it: after step_timeout it is
     abandoned and run again in halves; the culprit fails, the others are

@@ -11,6 +11,7 @@ from service.cli import main
 from tests.engine_helpers import make_engine, run_all
 
 
+@pytest.mark.slow
 def test_export_round_trip(tmp_path):
     out = tmp_path / "smollm2-hf"
     assert main(["export", "--dtype", "float32", str(out)]) == 0

@@ -264,6 +264,7 @@ async def _wait_for_status(proc, health, wanted: int, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 async def test_sigterm_drains_in_flight_stream(tiny_llama_dir, tmp_path):
     """SIGTERM mid-stream: new requests get 503, the stream still runs to
     [DONE] at full length, and the process exits 0."""
@@ -293,6 +294,7 @@ async def test_sigterm_drains_in_flight_stream(tiny_llama_dir, tmp_path):
         assert proc.wait(timeout=30) == 0
 
 
+@pytest.mark.slow
 async def test_sigterm_while_loading_exits_at_once(tiny_llama_dir, tmp_path):
     """A stop during a (long) model load must not wait for the load to end."""
     never_loads = ("import threading, service.serve\n"

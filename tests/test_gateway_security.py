@@ -145,6 +145,7 @@ def _read_all(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
+@pytest.mark.slow
 def test_body_that_never_arrives_gets_408_and_the_connection_closes(server):
     with _raw(server) as sock:
         t0 = time.monotonic()
@@ -214,6 +215,7 @@ def test_silent_connections_do_not_lock_out_health(server):
             sock.close()
 
 
+@pytest.mark.slow
 def test_a_silent_connection_is_closed_after_the_idle_timeout(server):
     """Before: held open for ever (aiohttp's default allows an hour)."""
     for first in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"):  # nothing; unfinished headers
@@ -306,6 +308,7 @@ def test_trusted_clients_may_send_control_tokens(tiny_llama_dir):
     assert ids.count(IM_START_ID) == 3 and ids.count(IM_END_ID) == 2
 
 
+@pytest.mark.slow
 def test_dashboard_asks_for_the_key_in_chromium(server):
     """The public page shows no figures until it is given the key; then it
     polls /dashboard/stats with it."""

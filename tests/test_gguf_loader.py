@@ -168,6 +168,7 @@ def sentencepiece_reference_ids(text: str, tokens: Sequence[str], scores: Sequen
 
 
 # ----------------------------------------------------- the embedded SmolLM2
+@pytest.mark.slow
 def test_weights_equal_transformers(baton, transformers_model):
     _, state = transformers_model
     assert "lm_head.weight" not in baton.weights  # tied: not duplicated
@@ -180,6 +181,7 @@ def test_weights_equal_transformers(baton, transformers_model):
     assert set(state) - {"lm_head.weight"} == set(baton.weights)
 
 
+@pytest.mark.slow
 def test_config_matches_transformers(baton, transformers_model):
     hf, _ = transformers_model
     c = baton.config
@@ -215,6 +217,7 @@ def test_tokenizer_splits_numerals_off(baton):
     assert tokenizer.encode(" ½").tokens == ["Ġ", "Â½"]
 
 
+@pytest.mark.slow
 def test_tokenizer_matches_transformers_where_it_splits_alike(baton, transformers_tokenizer):
     # transformers builds this GGUF's tokenizer without the "smollm" digit split.
     # SmolLM2's merges never join ASCII digits, so ASCII text still agrees; on

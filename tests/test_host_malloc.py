@@ -57,6 +57,7 @@ def _faults_per_round(mode: str) -> float:
 
 
 @pytest.mark.skipif(host_malloc._glibc() is None, reason="glibc only")
+@pytest.mark.slow
 def test_a_step_s_freed_buffers_are_reused_not_faulted_in_again():
     tuned = _faults_per_round("tuned")
     # Few of the round's 76,800 pages fault again (glibc 2.36: 1,280).

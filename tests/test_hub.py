@@ -195,6 +195,7 @@ print("PATH", download_model("baton-test/remote", download_dir=sys.argv[1], prog
 '''
 
 
+@pytest.mark.slow
 def test_a_hub_id_is_downloaded_into_the_cache_with_progress_lines(tmp_path, tiny_llama_dir,
                                                                    monkeypatch):
     import socket

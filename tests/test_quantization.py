@@ -427,6 +427,7 @@ def test_http_server_serves_quantized(mode, tiny_gguf):
         server.wait_idle()
 
 
+@pytest.mark.slow
 def test_baton_serve_with_quantization_gguf(tiny_gguf, tmp_path):
     """The real command line: `baton serve --quantization gguf`."""
     port = free_port()
@@ -466,6 +467,7 @@ def quality_module():
     return quality
 
 
+@pytest.mark.slow
 def test_quality_on_the_embedded_model(quality_module):
     """benchmarks/quality.py on its first 128 tokens: the bounds hold the
     full run's figures (docs/quantization.md) with margin."""

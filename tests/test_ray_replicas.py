@@ -19,7 +19,7 @@ from backends.parallel.config import ParallelConfig
 from service.config import EngineArgs, ServerConfig
 from tests.server_helpers import free_port
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 
 SYSTEM = ("You are a careful assistant. Answer briefly and cite nothing. This system prompt "
           "is long enough to fill several routing chunks, as real ones do. ")

@@ -18,6 +18,10 @@ from service.config import ServerConfig
 from tests.engine_helpers import make_engine
 from tests.server_helpers import running_server
 
+# Slow (a fuzzing run against a served model): the full suite runs these, ./scripts/test.sh
+# --quick does not.
+pytestmark = pytest.mark.slow
+
 KEY = "fuzz"
 # Examples per operation: with the seed fixed this is a deterministic ~1 minute
 # pass on 2 cores (CI time is shared: see docs/security.md for a longer run).

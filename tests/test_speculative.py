@@ -131,7 +131,9 @@ def _same(a, b) -> None:
 
 
 @pytest.mark.parametrize("params", list(PARAMS))
-@pytest.mark.parametrize("mode", ["right", "wrong", "half"])
+# "half" (accepted, then rejected) in the quick loop; all right, all wrong: slow
+@pytest.mark.parametrize("mode", [pytest.param("right", marks=pytest.mark.slow),
+                                  pytest.param("wrong", marks=pytest.mark.slow), "half"])
 def test_output_is_the_output_without_speculation(tiny_llama_dir, params, mode):
     """Every proposal verified; the accepted ones exactly those the oracle
     got right; the tokens, logprobs and finish reasons those of the plain
@@ -155,7 +157,9 @@ def test_output_is_the_output_without_speculation(tiny_llama_dir, params, mode):
         assert 0 < accepted < proposed
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "gemma2"])
+@pytest.mark.parametrize("arch", [pytest.param("qwen2", marks=pytest.mark.slow), "qwen3",
+                                  pytest.param("mistral", marks=pytest.mark.slow),
+                                  pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_greedy_equal_for_each_architecture(request, new_arch_dirs, arch):
     path = (request.getfixturevalue(f"tiny_{arch}_dir") if arch in ("qwen2", "qwen3")
             else new_arch_dirs(arch))
@@ -168,6 +172,7 @@ def test_greedy_equal_for_each_architecture(request, new_arch_dirs, arch):
     _same(reference, run_all(core, prompts, PARAMS["greedy"]))
 
 
+@pytest.mark.slow
 def test_bf16_and_the_compiled_step(tiny_llama_dir, monkeypatch, tmp_path):
     """bf16 (the whole-step decode takes the verification rows where they
     fit) and the compiled step (larger ones): the same tokens."""
@@ -359,6 +364,7 @@ def test_structured_output_with_speculation_is_the_output_without(tiny_llama_dir
         assert 0 < accepted < proposed
 
 
+@pytest.mark.slow
 def test_seeded_sampling_keeps_its_distribution(tiny_llama_dir):
     """Unseeded sampling with speculation against without: the first three
     tokens' joint frequencies over many runs agree (a chi-square test on the

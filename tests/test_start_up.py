@@ -48,6 +48,49 @@ def test_heartbeat_for_steps_that_cannot_count(caplog):
     assert lines[-1].startswith("building the kernels: done in ")
 
 
+def test_nested_heartbeats_speak_one_at_a_time(caplog):
+    """While a step opened inside another runs, only the inner one writes
+    (start-up logged two "still working" lines every 5 s, one of them the
+    backend's around the compile), and a step that logs its own result line
+    ends without a "done" line."""
+    with caplog.at_level(logging.INFO, logger="baton.progress"):
+        with heartbeat("preparing", interval=0.05, done_line=False):
+            time.sleep(0.25)
+            with heartbeat("compiling", interval=0.05, done_line=False):
+                time.sleep(0.3)
+            inner_done = len(caplog.records)
+            time.sleep(0.25)
+    lines = [r.getMessage() for r in caplog.records]
+    inner = [i for i, line in enumerate(lines) if line.startswith("compiling")]
+    assert len(inner) >= 3, lines
+    # nothing from the outer step while the inner one ran, and no "done" lines
+    assert all(lines[i].startswith("compiling") for i in range(inner[0], inner[-1] + 1))
+    assert any(line.startswith("preparing: still working") for line in lines[:inner[0]])
+    assert any(line.startswith("preparing: still working") for line in lines[inner_done:])
+    assert not [line for line in lines if "done in" in line], lines
+
+
+def test_a_heartbeat_on_another_thread_is_not_silenced(caplog):
+    """Nesting is per thread: two loads side by side (a draft model's beside
+    its target's, two engines in one process) both speak."""
+    import threading
+    with caplog.at_level(logging.INFO, logger="baton.progress"):
+        with heartbeat("outer", interval=0.05):
+            other = threading.Thread(target=lambda: _beat("other", 0.3))
+            other.start()
+            time.sleep(0.3)
+            other.join()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(line.startswith("outer: still working") for line in lines) >= 3, lines
+    assert sum(line.startswith("other: still working") for line in lines) >= 3, lines
+    assert lines[-1].startswith("outer: done in ")
+
+
+def _beat(what: str, seconds: float) -> None:
+    with heartbeat(what, interval=0.05):
+        time.sleep(seconds)
+
+
 def test_the_kv_pool_is_zero_and_costs_nothing_until_touched():
     shape, dtype = (64 * 2**20, 2, 2), torch.bfloat16  # 512 MiB
     rss = _rss_bytes()

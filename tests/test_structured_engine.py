@@ -109,6 +109,7 @@ TREE = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties
     "required": ["name", "children"], "additionalProperties": False}}}
 
 
+@pytest.mark.slow
 def test_openai_schema_features_hold(smol):
     import datetime
     import ipaddress
@@ -222,6 +223,7 @@ def test_random_model_obeys_and_survives_preemption_and_chunking(request, arch):
     assert counts["masked"] == 0 and counts["repicked"] > 0, counts
 
 
+@pytest.mark.slow
 def test_deferred_masks_change_no_token_or_logprob():
     """Constrained rows pick unmasked first and fill their mask only when the
     grammar rejects the pick (the default on a CPU whose cores all run the
@@ -360,6 +362,7 @@ MID_OUTPUT_FAILURE = {"type": "object", "properties": {
     "required": ["n", "a"], "additionalProperties": False}
 
 
+@pytest.mark.slow
 def test_a_grammar_that_fails_mid_output_fails_its_request_alone(smol, caplog):
     """The pattern's lexeme is past the lexer's limits only once the output
     reaches it: the request ends with a grammar error (not "stop" and a

@@ -24,6 +24,10 @@ from telemetry.tracing import setup_tracing
 from tests.engine_helpers import make_engine
 from tests.server_helpers import free_port, running_server
 
+# Slow (a real Prometheus and an OTLP receiver): the full suite runs these, ./scripts/test.sh
+# --quick does not.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llama"
 
 

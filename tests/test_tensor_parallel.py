@@ -25,6 +25,10 @@ from scheduler.engine import EngineCore
 from scheduler.speculative import SpeculativeConfig, Speculator
 from tests.engine_helpers import OracleProposer, assert_all_free, make_engine, run_all
 
+# Slow (tensor-parallel ranks in processes): the full suite runs these, ./scripts/test.sh --quick
+# does not.
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
 LENGTHS = {"batched": (3, 17, 40, 90), "chunked": (3, 17, 40, 90),

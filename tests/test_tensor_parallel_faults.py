@@ -20,6 +20,10 @@ from backends.parallel.config import ParallelConfig
 from tests.engine_helpers import make_engine
 from tests.server_helpers import running_server
 
+# Slow (tensor-parallel ranks in processes, killed and stopped): the full suite runs these,
+# ./scripts/test.sh --quick does not.
+pytestmark = pytest.mark.slow
+
 
 def _health(base_url: str) -> tuple[int, str]:
     try:

@@ -196,7 +196,7 @@ def build() -> Path:
              ", ".join(_kinds_built()), target.parent)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp, \
-            heartbeat("building the native CPU kernels"):
+            heartbeat("building the native CPU kernels", done_line=False):
         jobs = [[cxx, *compile_flags, "-c", str(_CPP_SOURCE), "-o", f"{tmp}/ops.o"]]
         for kind in _kinds_built():
             for src in _C_SOURCES:
