@@ -67,7 +67,8 @@ RUN useradd --create-home --uid 10001 baton \
  && mkdir -p /models /cache/huggingface && chown baton:baton /cache/huggingface
 USER baton
 ENV BATON_HOST=0.0.0.0 BATON_PORT=8000 HF_HOME=/cache/huggingface \
-    BATON_CONVERSION_CACHE=/cache/huggingface/baton-converted
+    BATON_CONVERSION_CACHE=/cache/huggingface/baton-converted \
+    BATON_COMPILE_CACHE=/cache/huggingface/baton-inductor
 VOLUME ["/cache/huggingface"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
@@ -97,7 +98,8 @@ RUN useradd --create-home --uid 10001 baton \
  && mkdir -p /models /cache/huggingface && chown baton:baton /cache/huggingface
 USER baton
 ENV BATON_HOST=0.0.0.0 BATON_PORT=8000 BATON_DEVICE=cuda HF_HOME=/cache/huggingface \
-    BATON_CONVERSION_CACHE=/cache/huggingface/baton-converted
+    BATON_CONVERSION_CACHE=/cache/huggingface/baton-converted \
+    BATON_COMPILE_CACHE=/cache/huggingface/baton-inductor
 VOLUME ["/cache/huggingface"]
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \

@@ -6,7 +6,7 @@ initialisation of its paths).
 
 The warm-up runs a few short greedy requests through the engine core the
 server will use, covering a prefill chunk, a lone decode and a batched
-decode (below and above the whole-step native decode's 4 sequences) and
+decode (below and above the whole-step native decode's rows: 4, 32 on AMX) and
 one request under a structured-output constraint (so the grammar engine's
 tokenizer table, about a second for a large vocabulary, is built now rather
 than by the first constrained request), then checks that every KV block and every per-request table came back empty. It runs before the step loop starts

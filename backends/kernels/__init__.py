@@ -7,9 +7,10 @@ suffixed with the kind) and ``ops.cpp``, which registers the operators with
 torch's dispatcher and calls the kind each call names (the execution plan's
 choice; a kind this CPU cannot run is refused, not attempted).
 
-When it is built: on first use, by the first process that needs it (a
-progress line in the log says so; about a minute on two cores, most of it
-compiling ops.cpp against torch's headers), or ahead of time with
+When it is built: by ``scripts/setup.sh`` (the install step), else on first
+use by the first process that needs it (a progress line in the log says so;
+about a minute on two cores, most of it compiling ops.cpp against torch's
+headers), or ahead of time with
 ``baton build-kernels`` or ``python -m backends.kernels`` (the Docker image's
 build stage does that; its runtime stage has no compiler). It is kept in
 ``$BATON_KERNEL_CACHE`` (default ``~/.cache/baton/kernels``) under a hash of

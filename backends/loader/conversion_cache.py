@@ -1,7 +1,7 @@
 """Convert a GGUF file once, then start from the conversion.
 
 Loading a GGUF expands its blocks to the serving dtype and rebuilds a
-``tokenizers.Tokenizer`` from llama.cpp's metadata: about a second for the
+``tokenizers.Tokenizer`` from llama.cpp's metadata: about 16 s for the
 embedded SmolLM2-135M on a 2-core VM, at every start. This keeps what that
 produced (the weights as safetensors, the tokenizer as tokenizer.json, the
 config and the rest as JSON) in one folder per GGUF content and dtype, so
