@@ -156,8 +156,7 @@ class ExecutionOptions:
     tensor_parallel_size: int = 1
     amx: bool = True  # False: oneDNN takes every batch the gemv does not (tests, benchmarks)
     # True: token-row steps run the model's compiled forward
-    # (backends/compiled_step.py) where the plan can; the server's default
-    # (``--enforce-eager`` turns it off), not a library caller's.
+    # (backends/compiled_step.py) where the plan can (``--compile``).
     compile: bool = False
 
     def __post_init__(self) -> None:

@@ -70,9 +70,9 @@ def main() -> None:
     ap.add_argument("--no-amx-attention", action="store_true",
                     help="bf16 decode attention scores on VDPBF16PS, not AMX tiles "
                          "(backends/kernels/paged_attention.c)")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="decode steps eager (the whole-step native decode where the plan has "
-                         "one), not the compiled step (backends/compiled_step.py)")
+    ap.add_argument("--compile", action="store_true",
+                    help="steps larger than the whole-step native decode's through the "
+                         "compiled step (backends/compiled_step.py), not the eager forward")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()
@@ -100,7 +100,7 @@ def main() -> None:
         threads=args.threads, quantization=QuantizationSpec(args.quantization),
         execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
                                    cpu_kind=args.cpu_kind, amx=not args.no_amx,
-                                   compile=not args.enforce_eager)))
+                                   compile=args.compile)))
     if args.no_cascade:
         import dataclasses
         backend.plan = dataclasses.replace(backend.plan, shared_prefix_decode="none")

@@ -195,8 +195,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "JSON such as '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
           "\"prompt_lookup_max\": 5}' or '{\"method\": \"draft_model\", \"model\": "
           "PATH, \"num_speculative_tokens\": 4}' (docs/serving.md)", convert=_speculative)
-    _flag(parser, "--enforce-eager", False, "run every step eagerly: no torch.compile of "
-          "the decode step (start-up without compiling; BATON_ENFORCE_EAGER=1)",
+    _flag(parser, "--compile", False, "run steps larger than the whole-step decode's "
+          "through the model's forward compiled by torch.compile (BATON_COMPILE=1; default "
+          "off: no faster than the eager forward on the CPUs measured, and the first start "
+          "compiles for about a minute)", action="store_true", env_name="BATON_COMPILE")
+    _flag(parser, "--enforce-eager", False, "never compile, even with --compile or "
+          "BATON_COMPILE=1 (vLLM's flag; BATON_ENFORCE_EAGER=1)",
           action="store_true", env_name="BATON_ENFORCE_EAGER")
     _flag(parser, "--generation-config", "auto", "sampling defaults: auto (the model's "
           "generation_config.json), vllm (none: the request's values, else OpenAI's), or "
@@ -235,7 +239,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides):
         scheduling_policy=ns.scheduling_policy,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         prefill_only_step_tokens=ns.prefill_only_step_tokens,
-        fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind, enforce_eager=ns.enforce_eager,
+        fast_paths=ns.fast_paths, cpu_kind=ns.cpu_kind, compile=ns.compile,
+        enforce_eager=ns.enforce_eager,
         speculative_config=ns.speculative_config,
         revision=ns.revision, download_dir=ns.download_dir,
         generation_config=ns.generation_config, parallel=_parallel_config(ns),

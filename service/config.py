@@ -72,8 +72,13 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget
     prefill_only_step_tokens: int = 2048  # a step without decodes: short prompts up to this
     fast_paths: bool = True              # False: portable torch ops only (backends/execution.py)
-    # True: no compiled decode step (backends/compiled_step.py); default from
-    # BATON_ENFORCE_EAGER, as the CLI's --enforce-eager
+    # True: token-row steps larger than the whole-step decode's run the
+    # model's compiled forward (backends/compiled_step.py); default from
+    # BATON_COMPILE, as the CLI's --compile. Off by default: on the CPUs
+    # measured it was no faster than the eager forward (docs/benchmarks.md).
+    compile: bool = field(default_factory=lambda: env_flag("BATON_COMPILE"))
+    # True: never compile, whatever ``compile`` says (vLLM's --enforce-eager;
+    # BATON_ENFORCE_EAGER).
     enforce_eager: bool = field(default_factory=lambda: env_flag("BATON_ENFORCE_EAGER"))
     # --speculative-config's JSON (scheduler/speculative.py); None: none.
     speculative_config: str | None = None

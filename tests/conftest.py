@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-# Engines and servers the tests build run their decode steps eagerly unless a
-# test asks for the compiled step (enforce_eager=False): compiling costs
+# Engines and servers the tests build run their steps eagerly (the default)
+# unless a test asks for the compiled step (compile=True): compiling costs
 # seconds per engine. tests/test_compiled_step.py covers the compiled step.
-os.environ.setdefault("BATON_ENFORCE_EAGER", "1")
+os.environ.pop("BATON_COMPILE", None)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"

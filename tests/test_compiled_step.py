@@ -33,7 +33,7 @@ def compile_cache(tmp_path_factory, monkeypatch):
 
 
 def _engine(path, compiled: bool, **kwargs):
-    core = make_engine(path, enforce_eager=not compiled, **kwargs)
+    core = make_engine(path, compile=compiled, **kwargs)
     assert core.backend.plan.step == ("compiled" if compiled else "eager"), \
         core.backend.plan.describe()
     return core
@@ -128,10 +128,21 @@ def test_plan_compiles_only_where_it_can(new_arch_dirs):
         assert plan.step == "eager" and what in plan.describe(), plan.describe()
 
 
-def test_enforce_eager_flag_and_variable(monkeypatch):
+def test_compile_and_enforce_eager_flags_and_variables(monkeypatch, tiny_llama_dir):
+    """--compile (BATON_COMPILE) asks for the compiled step; --enforce-eager
+    (BATON_ENFORCE_EAGER) overrides it; the default is eager."""
     from service.cli import build_parser, engine_args_from
-    monkeypatch.delenv("BATON_ENFORCE_EAGER")
-    assert not engine_args_from(build_parser().parse_args(["serve"])).enforce_eager
-    assert engine_args_from(build_parser().parse_args(["serve", "--enforce-eager"])).enforce_eager
+    monkeypatch.delenv("BATON_ENFORCE_EAGER", raising=False)
+    monkeypatch.delenv("BATON_COMPILE", raising=False)
+
+    def args(*argv):
+        return engine_args_from(build_parser().parse_args(["serve", *argv]))
+    assert (args().compile, args().enforce_eager) == (False, False)
+    assert args("--compile").compile and args("--enforce-eager").enforce_eager
+    monkeypatch.setenv("BATON_COMPILE", "1")
+    assert args().compile
     monkeypatch.setenv("BATON_ENFORCE_EAGER", "1")
-    assert engine_args_from(build_parser().parse_args(["serve"])).enforce_eager
+    assert args().enforce_eager
+    assert make_engine(tiny_llama_dir, compile=True, enforce_eager=True).backend.plan.step \
+        == "eager"
+    assert make_engine(tiny_llama_dir).backend.plan.step == "eager"

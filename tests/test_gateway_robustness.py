@@ -358,7 +358,7 @@ async def test_sigterm_while_the_model_loads_exits_cleanly(tmp_path):
     converted and loaded on the loading thread: the process says it stopped
     while loading and exits 0 (it aborted in C++ teardown, rc 134, while that
     thread was still in torch)."""
-    async with _baton_serve(tmp_path, "--enforce-eager", "--conversion-cache", "none",
+    async with _baton_serve(tmp_path, "--conversion-cache", "none",
                             "--kv-cache-memory", "64MiB") as (proc, base, http, health):
         await _wait_for_status(proc, health, 503, 90)   # listening, loading
         await asyncio.sleep(1.0)                        # well inside the load

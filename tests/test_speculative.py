@@ -177,7 +177,7 @@ def test_bf16_and_the_compiled_step(tiny_llama_dir, monkeypatch, tmp_path):
     """bf16 (the whole-step decode takes the verification rows where they
     fit) and the compiled step (larger ones): the same tokens."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    for extra in ({"dtype": "bfloat16"}, {"enforce_eager": False}):
+    for extra in ({"dtype": "bfloat16"}, {"compile": True}):
         plain = make_engine(tiny_llama_dir, **extra)
         prompts = _prompts(plain.vocab_size)
         reference = run_all(plain, prompts, PARAMS["seeded"])
