@@ -74,6 +74,10 @@ class RequestRecord:
     prompt_tokens: int | None = None   # from the usage chunk
     cached_tokens: int | None = None   # usage.prompt_tokens_details.cached_tokens, if sent
     text: str = ""                     # the streamed text (multi-turn sends it back)
+    # speculative decoding, where the server says per request (llama-server's
+    # ``timings.draft_n`` / ``draft_n_accepted``)
+    draft_tokens: int | None = None
+    draft_accepted: int | None = None
 
     def fail(self, kind: str, detail: str = "") -> None:
         self.error, self.error_detail = kind, detail[:300]
@@ -119,6 +123,11 @@ class LoadResult:
     # prefix cache (None when it reports no cached tokens)
     prompt_tokens: int = 0
     cached_share: float | None = None
+    # speculative decoding's proposed and accepted tokens over the run, where
+    # the server reports them (per request, as llama-server does, or in its
+    # metrics: benchmarks/workloads.py reads Baton's)
+    spec_proposed: int | None = None
+    spec_accepted: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "requests"}
@@ -183,6 +192,7 @@ class _StreamTally:
         self.itl_s: list[float] = []
         self.token_events = 0
         self.usage_tokens: int | None = None
+        self.draft: tuple[int, int] | None = None
         self.finished = False
 
     def on_event(self, data: str, now: float) -> None:
@@ -204,6 +214,9 @@ class _StreamTally:
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 self.cached_tokens = details["cached_tokens"]
+        timings = event.get("timings")
+        if isinstance(timings, dict) and isinstance(timings.get("draft_n"), int):
+            self.draft = (timings["draft_n"], int(timings.get("draft_n_accepted") or 0))
         choices = [c for c in event.get("choices") or () if isinstance(c, dict)]
         if not choices:
             return
@@ -262,6 +275,8 @@ async def _stream_completion(session: aiohttp.ClientSession, url: str, body: byt
     record.prompt_tokens = tally.prompt_tokens
     record.cached_tokens = tally.cached_tokens
     record.text = "".join(tally.text)
+    if tally.draft is not None:
+        record.draft_tokens, record.draft_accepted = tally.draft
 
 
 async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes,
@@ -329,6 +344,7 @@ def summarize(records: list[RequestRecord], wall_s: float, **run: Any) -> LoadRe
             if r.output_tokens > 1 and r.ttft_s is not None and r.e2e_s is not None]
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    drafted = [r for r in ok if r.draft_tokens is not None]
     reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
     cached_share = (sum(r.cached_tokens for r in reported)
                     / sum(r.prompt_tokens for r in reported)) if reported else None
@@ -343,7 +359,9 @@ def summarize(records: list[RequestRecord], wall_s: float, **run: Any) -> LoadRe
         itl_p50_ms=_percentile(itl, 50, 1e3), itl_p99_ms=_percentile(itl, 99, 1e3),
         tpot_p50_ms=_percentile(tpot, 50, 1e3),
         e2e_p50_s=_percentile(e2e, 50, 1.0), e2e_p99_s=_percentile(e2e, 99, 1.0),
-        requests=records, prompt_tokens=prompt_tokens, cached_share=cached_share)
+        requests=records, prompt_tokens=prompt_tokens, cached_share=cached_share,
+        spec_proposed=sum(r.draft_tokens for r in drafted) if drafted else None,
+        spec_accepted=sum(r.draft_accepted or 0 for r in drafted) if drafted else None)
 
 
 def client_session(limit: int) -> aiohttp.ClientSession:

@@ -159,6 +159,41 @@ def _chat(model: str, content: str, output_len: int) -> bytes:
         "stream_options": {"include_usage": True}}).encode()
 
 
+async def spec_counters(base: str, api_key: str | None = None) -> tuple[float, float] | None:
+    """Baton's proposed and accepted speculative tokens so far (its
+    ``baton_spec_decode_*_tokens_total``, every method), or None where the
+    server has no such metrics."""
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            async with session.get(base + "/metrics", headers=auth_headers(api_key)) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return None
+    totals = {"proposed": 0.0, "accepted": 0.0}
+    seen = False
+    for line in text.splitlines():
+        for key in totals:
+            if line.startswith(f"baton_spec_decode_{key}_tokens_total"):
+                totals[key] += float(line.rsplit(" ", 1)[-1])
+                seen = True
+    return (totals["proposed"], totals["accepted"]) if seen else None
+
+
+async def _spec_run(base: str, url: str, bodies: list[bytes], users: int,
+                    api_key: str | None, timeout: float, **fields) -> LoadResult:
+    """run_pool and summarize, with the speculative tokens of the run from
+    Baton's metrics where the streams did not carry them."""
+    before = await spec_counters(base, api_key)
+    records, wall_s = await run_pool(url, bodies, users, api_key, timeout)
+    result = summarize(records, wall_s, **fields)
+    after = await spec_counters(base, api_key) if before is not None else None
+    if result.spec_proposed is None and after is not None:
+        result.spec_proposed = int(after[0] - before[0])
+        result.spec_accepted = int(after[1] - before[1])
+    return result
+
+
 async def run_grounded(base_url: str, model: str, *, users: int = 1, num_requests: int = 4,
                        passage_words: int = 300, output_len: int = 256, seed: int = 0,
                        api_key: str | None = None, timeout: float = 900.0) -> LoadResult:
@@ -166,10 +201,9 @@ async def run_grounded(base_url: str, model: str, *, users: int = 1, num_request
     bodies = [_chat(model, f"Task {seed}-{k}. Copy out the following text exactly, one "
                            f"sentence per line:\n\n{passage(seed * 1000 + k, passage_words)}",
                     output_len) for k in range(num_requests)]
-    records, wall_s = await run_pool(base + "/v1/chat/completions", bodies, users, api_key,
-                                     timeout)
-    return summarize(records, wall_s, **_run_fields(base, model, users, num_requests,
-                                                    passage_words, output_len, seed))
+    return await _spec_run(base, base + "/v1/chat/completions", bodies, users, api_key,
+                           timeout, **_run_fields(base, model, users, num_requests,
+                                                  passage_words, output_len, seed))
 
 
 async def run_chat(base_url: str, model: str, *, users: int = 1, num_requests: int = 4,
@@ -181,10 +215,9 @@ async def run_chat(base_url: str, model: str, *, users: int = 1, num_requests: i
         i = seed * 1000 + k
         ask = _ASKS[i % len(_ASKS)].format(_TOPICS[(i // len(_ASKS)) % len(_TOPICS)])
         bodies.append(_chat(model, f"({i}) {ask}", output_len))
-    records, wall_s = await run_pool(base + "/v1/chat/completions", bodies, users, api_key,
-                                     timeout)
-    return summarize(records, wall_s, **_run_fields(base, model, users, num_requests, 0,
-                                                    output_len, seed))
+    return await _spec_run(base, base + "/v1/chat/completions", bodies, users, api_key,
+                           timeout, **_run_fields(base, model, users, num_requests, 0,
+                                                  output_len, seed))
 
 
 async def run_long_prefill(base_url: str, model: str, *, long_len: int = 4000,
@@ -266,7 +299,11 @@ def _figures(r: LoadResult) -> dict[str, Any]:
     return {"ttft_p50_ms": r.ttft_p50_ms, "ttft_p99_ms": r.ttft_p99_ms,
             "output_tok_per_s": r.output_tok_per_s, "req_per_s": r.req_per_s,
             "itl_p50_ms": r.itl_p50_ms, "e2e_p50_s": r.e2e_p50_s,
-            "cached_share": r.cached_share, "num_ok": r.num_ok, "wall_s": r.wall_s}
+            "cached_share": r.cached_share, "num_ok": r.num_ok, "wall_s": r.wall_s,
+            "concurrency": r.concurrency, "spec_proposed": r.spec_proposed,
+            "spec_accepted": r.spec_accepted,
+            "spec_acceptance": (r.spec_accepted / r.spec_proposed
+                                if r.spec_proposed else None)}
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:

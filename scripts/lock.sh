@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-pin Baton's Python dependencies: resolve pyproject.toml's ranges (runtime
-# and the [test] and [ray] extras) with pip, without installing anything, and write every package
+# and the [test], [ray] and [bench] extras) with pip, without installing anything, and write every package
 # and version into constraints.txt. scripts/setup.sh (so CI) and the
 # Dockerfile install with `-c constraints.txt`. Run it after changing a
 # dependency; tests/test_deploy.py fails while a dependency is unpinned.
@@ -10,7 +10,7 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 report="$(mktemp)"
 trap 'rm -f "$report"' EXIT
 "$PYTHON" -m pip install --dry-run --ignore-installed --quiet --disable-pip-version-check \
-    --report "$report" ".[test,ray]" "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
+    --report "$report" ".[test,ray,bench]" "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
 "$PYTHON" - "$report" <<'PY'
 import json
 import re

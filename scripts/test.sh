@@ -34,7 +34,7 @@ if [ "${#need[@]}" -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
 
-./scripts/setup.sh "[test,ray]"
+./scripts/setup.sh "[test,ray,bench]"
 if [ "$quick" -eq 1 ]; then
     exec .venv/bin/python -m pytest -q -ra --durations=15 -m "not slow" "$@"
 fi
