@@ -18,7 +18,6 @@ inter-token p50 / p99, quiet and contended. Run it under
 from __future__ import annotations
 
 import argparse
-import asyncio
 import subprocess
 import sys
 import time
