@@ -157,16 +157,37 @@ class StartedServer:
                              f"see {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-            except ProcessLookupError:
-                pass
+        """SIGTERM to the process group, then wait until every process of it
+        is gone (SIGKILL after 30 s): the command is a shell, and a server it
+        started (vLLM's API server) can outlive it by seconds, still holding
+        the port the next server is about to take."""
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 30.0
+        while _group_alive(pgid):
+            if time.monotonic() > deadline:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                deadline = float("inf")
+            self.proc.poll()  # reap the shell, whose group it leads
+            time.sleep(0.1)
+        self.proc.wait(timeout=10)
         self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 async def measure(name: str, base_url: str, args: argparse.Namespace,
