@@ -159,7 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--models", nargs="+", default=["135m", "360m", "1.7b"],
-                    choices=["135m", *SHAPES])
+                    choices=sorted({"135m", *SHAPES}))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     embedded = resolve_model_path(None)

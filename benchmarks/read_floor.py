@@ -13,7 +13,11 @@ step floors that follow. Run it beside a comparison (this VM's speed drifts
 over minutes) to tell how far a measured step is from its floor.
 
     .venv/bin/python benchmarks/read_floor.py [--threads 2] [--reps 8] \
-        [--batch 32] [--context 200]
+        [--batch 32] [--context 200] [--model DIR]
+
+``--model DIR`` (an HF folder) also prints the c=1 floor of that model: the
+bytes of its safetensors weights (a tied output projection is stored, and
+read, once) over the same rates.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -50,6 +55,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200,
                     help="mean context of the batch's requests (128 prompt + 128 output "
                          "tokens average 192)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="an HF folder: also print its c=1 floor (its safetensors bytes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kv = args.batch * args.context * KV_BYTES_PER_TOKEN
@@ -63,6 +70,11 @@ def main() -> None:
         print(f"{name} decode step floor: {nbytes / 1e6:.0f} MB -> {floor_ms:.1f} ms at the "
               f"best rate ({nbytes / median / 1e6:.1f} at the median): at most "
               f"{rows * 1e3 / floor_ms:.0f} tok/s of decode")
+    if args.model is not None:
+        nbytes = sum(p.stat().st_size for p in args.model.glob("*.safetensors"))
+        print(f"{args.model.name} c=1 decode step floor: {nbytes / 1e6:.0f} MB -> "
+              f"{nbytes / best / 1e6:.1f} ms at the best rate "
+              f"({nbytes / median / 1e6:.1f} at the median)")
 
 
 if __name__ == "__main__":

@@ -170,14 +170,22 @@ async def spec_counters(base: str, api_key: str | None = None) -> tuple[float, f
                 text = await resp.text() if resp.status == 200 else ""
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
         return None
+    return spec_totals(text)
+
+
+def spec_totals(metrics_text: str) -> tuple[float, float] | None:
+    """(proposed, accepted) summed over the ``baton_spec_decode_*`` counters of
+    a Prometheus page; (0, 0) for a Baton page without them yet (a labelled
+    counter has no sample before its first increment); None for a server
+    that is not Baton."""
     totals = {"proposed": 0.0, "accepted": 0.0}
-    seen = False
-    for line in text.splitlines():
+    baton = False
+    for line in metrics_text.splitlines():
+        baton = baton or line.startswith("baton_")
         for key in totals:
             if line.startswith(f"baton_spec_decode_{key}_tokens_total"):
                 totals[key] += float(line.rsplit(" ", 1)[-1])
-                seen = True
-    return (totals["proposed"], totals["accepted"]) if seen else None
+    return (totals["proposed"], totals["accepted"]) if baton else None
 
 
 async def _spec_run(base: str, url: str, bodies: list[bytes], users: int,

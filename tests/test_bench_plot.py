@@ -73,3 +73,15 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "img" / "x.png"
     assert main(["--out", str(out), f"135M={path}"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_spec_totals_count_from_zero_before_the_first_proposal():
+    """A labelled counter has no sample until it is first incremented: a Baton
+    page without spec lines is (0, 0), so a run's first proposals count."""
+    from benchmarks.workloads import spec_totals
+    assert spec_totals("# HELP baton_requests_total x\nbaton_requests_total 3\n") == (0.0, 0.0)
+    page = ('baton_spec_decode_proposed_tokens_total{method="ngram"} 40\n'
+            'baton_spec_decode_accepted_tokens_total{method="ngram"} 30\n'
+            'baton_spec_decode_proposed_tokens_total{method="draft_model"} 2\n')
+    assert spec_totals(page) == (42.0, 30.0)
+    assert spec_totals("vllm:num_requests_running 0\n") is None
