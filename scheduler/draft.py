@@ -33,6 +33,13 @@ class DraftProposer:
         self.backend = backend
         # Positions whose draft KV is in place, by request id.
         self._computed: dict[str, int] = {}
+        self._round_times: list[float] = []
+
+    def take_round_times(self) -> list[float]:
+        """The forward seconds of the proposal rounds since the last call
+        (the Speculator weighs a draft's cost with them)."""
+        times, self._round_times = self._round_times, []
+        return times
 
     def propose_for(self, wanted, kv_cache) -> dict[str, list[int]]:
         rows: list[ScheduledRequest] = []
@@ -49,6 +56,10 @@ class DraftProposer:
         proposals: dict[str, list[int]] = {rid: [] for rid in counts}
         while rows:
             result = self.backend.execute(SchedulerOutput(rows))
+            # A round of a token or two per row is what a proposal costs
+            # (one that catches up on a prompt is a prefill's cost, once).
+            if max(len(row.token_ids) for row in rows) <= 2:
+                self._round_times.append(result.timings.forward)
             ends = {row.request_id: row.start_pos + len(row.token_ids) for row in rows}
             tables = {row.request_id: row.block_table for row in rows}
             rows = []

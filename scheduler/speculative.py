@@ -174,6 +174,40 @@ ACCEPTANCE_WEIGHT = 0.3
 LOW_ACCEPTANCE = 0.15
 
 
+# A draft's cost is measured (ProposalBudget.draft_cost) after this many
+# draft rounds and target steps; the averages then weigh a new step by
+# COST_WEIGHT.
+COST_SAMPLES = 4
+COST_WEIGHT = 0.2
+# A draft proposes only where it is expected to yield at least this many
+# times the tokens per second of plain decoding (a margin over measuring
+# noise, so a draft that barely pays does not flap on and off).
+MIN_DRAFT_GAIN = 1.1
+
+
+def _average(mean: float, value: float, count: int) -> float:
+    if count < COST_SAMPLES:  # a plain mean of the first samples
+        return (mean * count + value) / (count + 1)
+    return (1 - COST_WEIGHT) * mean + COST_WEIGHT * value
+
+
+def _draft_k(rate: float, cost: float, k_max: int) -> int:
+    """Proposals for a draft whose round costs ``cost`` target steps, at
+    acceptance ``rate``: the k with the most tokens per unit of time, k
+    proposals yielding 1 + a + ... + a^k tokens for 1 + k * cost steps'
+    time (a verification row costs about a decode's step); 0 where no k
+    beats plain decoding by MIN_DRAFT_GAIN. A draft as costly as its target
+    (a quantized copy of a model whose step is bound by dispatch, not by
+    its weights' bytes) never pays: at rate 1, k + 1 tokens for 1 + k steps."""
+    best_k, best, tokens = 0, MIN_DRAFT_GAIN, 1.0
+    for k in range(1, k_max + 1):
+        tokens += rate ** k
+        gain = tokens / (1 + k * cost)
+        if gain > best:
+            best_k, best = k, gain
+    return best_k
+
+
 @dataclass(slots=True)
 class SpeculationStats:
     """Counts since the last ``take`` (for the metrics): proposals and
@@ -201,6 +235,27 @@ class ProposalBudget:
         self.config = config
         self.budget = budget
         self._acceptance: dict[str, float] = {}
+        # A draft model's cost: moving averages of one draft round (a forward
+        # of one token per proposing row) and of one target step without
+        # prompt tokens, each with how many steps it has seen.
+        self._draft_s = self._target_s = 0.0
+        self._draft_n = self._target_n = 0
+
+    def observe_draft(self, seconds: float) -> None:
+        self._draft_s = _average(self._draft_s, seconds, self._draft_n)
+        self._draft_n += 1
+
+    def observe_target(self, seconds: float) -> None:
+        self._target_s = _average(self._target_s, seconds, self._target_n)
+        self._target_n += 1
+
+    @property
+    def draft_cost(self) -> float | None:
+        """A draft round's time over a target step's, once both are measured
+        (None before: a draft proposes until its cost is known)."""
+        if self._draft_n < COST_SAMPLES or self._target_n < COST_SAMPLES or self._target_s <= 0:
+            return None
+        return self._draft_s / self._target_s
 
     def shares(self, request_ids: list[str]) -> dict[str, int]:
         cap = self.config.disable_by_batch_size
@@ -224,6 +279,9 @@ class ProposalBudget:
         rate = self._acceptance.get(request_id, ACCEPTANCE_PRIOR)
         if rate < LOW_ACCEPTANCE:
             return 0 if self.config.method == "draft_model" else 1
+        cost = self.draft_cost if self.config.method == "draft_model" else None
+        if cost is not None:
+            return _draft_k(rate, cost, k_max)
         # Proposals past the point where another accepted token is less
         # likely than a third are not worth their compute.
         k = 1
@@ -279,6 +337,13 @@ class Speculator:
             proposals = self.proposer.propose_for(wanted, kv_cache)
             for request, _ in wanted:
                 request.spec_token_ids = proposals.get(request.request_id, [])
+            for seconds in getattr(self.proposer, "take_round_times", list)():
+                self.budget.observe_draft(seconds)
+
+    def observe_step(self, seconds: float) -> None:
+        """The target's forward time of a step without prompt tokens (what
+        a draft's cost is measured against)."""
+        self.budget.observe_target(seconds)
 
     def release(self, live_ids: set[str]) -> None:
         """Drop the state of requests no longer live."""

@@ -102,6 +102,34 @@ def test_budget_shares_the_cheap_rows_by_acceptance():
     assert draft.shares(["b"]) == {}              # a draft's proposal costs a forward pass
 
 
+def test_a_draft_proposes_only_where_its_cost_pays():
+    """k proposals yield 1 + a + ... + a^k tokens for 1 + k * cost steps of
+    time: a draft a tenth of the target's cost proposes all it may, one as
+    costly as the target nothing, even if always right."""
+    from scheduler.speculative import COST_SAMPLES, _draft_k
+    assert _draft_k(0.9, 0.1, 4) == 4
+    assert _draft_k(1.0, 1.0, 4) == 0             # k + 1 tokens for k + 1 steps
+    assert _draft_k(0.9, 0.3, 8) == 5             # 4.69 tokens in 2.5 steps; 6: 5.22 in 2.8
+    assert _draft_k(0.3, 0.1, 4) == 1
+    budget = ProposalBudget(SpeculativeConfig("draft_model", 4, model="m"), 8)
+    for _ in range(10):
+        budget.record("a", 4, 4)
+    for _ in range(COST_SAMPLES - 1):
+        budget.observe_draft(0.010)
+        budget.observe_target(0.011)
+    assert budget.draft_cost is None and budget.shares(["a"]) == {"a": 4}  # not measured yet
+    budget.observe_draft(0.010)
+    budget.observe_target(0.011)
+    assert budget.draft_cost == pytest.approx(0.010 / 0.011)
+    assert budget.shares(["a"]) == {}             # measured as costly as the target
+    for _ in range(20):                           # the batch grew; the draft did not
+        budget.observe_target(0.100)
+    assert budget.shares(["a"]) == {"a": 4}
+    ngram = ProposalBudget(SpeculativeConfig("ngram", 4), 8)
+    ngram.observe_target(0.01)                    # an n-gram lookup costs no forward pass
+    assert ngram.draft_cost is None
+
+
 # ------------------------------------------------------------------ engine
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
@@ -423,6 +451,9 @@ def test_a_draft_model_proposes_and_changes_nothing(tiny_llama_dir, quantization
             proposed = sum(r.spec_proposed for r in results.values())
             accepted = sum(r.spec_accepted for r in results.values())
             assert proposed > 0 and accepted >= 0.8 * proposed
+        # Its own copy costs what the target does: once measured, it stops.
+        assert core.speculator.budget.draft_cost is not None
+        assert core.speculator.budget.shares(["x"]) == {}
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny_llama_dir):
