@@ -96,7 +96,8 @@ WORKLOAD_COLUMNS = {
     "grounded": [("output tok/s", "output_tok_per_s", "{:.1f}"),
                  ("inter-chunk p50 (ms)", "itl_p50_ms", "{:.1f}"),
                  ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"), ("e2e p50 (s)", "e2e_p50_s", "{:.2f}"),
-                 ("acceptance", "spec_acceptance", "{:.2f}")],
+                 ("acceptance", "spec_acceptance", "{:.2f}"),
+                 ("failed", "num_errors", "{:.0f}")],
 }
 WORKLOAD_COLUMNS["chat"] = WORKLOAD_COLUMNS["grounded"]
 WORKLOAD_GOALS = {

@@ -85,3 +85,21 @@ def test_spec_totals_count_from_zero_before_the_first_proposal():
             'baton_spec_decode_proposed_tokens_total{method="draft_model"} 2\n')
     assert spec_totals(page) == (42.0, 30.0)
     assert spec_totals("vllm:num_requests_running 0\n") is None
+
+
+def test_grounded_and_chat_count_a_peers_failed_requests():
+    """Throughput workloads count failures and keep the figures of the rest
+    (a peer that drops a connection still gets a row); the prefix-cache
+    workloads, whose figures compare the same requests, still refuse."""
+    from benchmarks.workloads import _figures
+    ok = RequestRecord(index=0, ttft_s=0.1, e2e_s=0.5, output_tokens=4)
+    bad = RequestRecord(index=1)
+    bad.fail("connection", "Server disconnected")
+    run = dict(base_url="http://x", model="m", concurrency=2, num_requests=2, prompt_len=4,
+               output_len=4, text_prompts=False, seed=0, first_request=0)
+    result = summarize([ok, bad], 1.0, **run)
+    figures = _figures(result, count_failures=True)
+    assert figures["num_errors"] == 1 and figures["num_ok"] == 1
+    assert figures["output_tok_per_s"] == 4.0
+    with pytest.raises(RuntimeError, match="1 requests failed"):
+        _figures(result)
