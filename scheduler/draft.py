@@ -23,6 +23,8 @@ from __future__ import annotations
 from backends.interface import SamplingParams, ScheduledRequest, SchedulerOutput
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+# Tokens the draft catches up on in one step, beyond the first request's.
+CATCH_UP_TOKENS = 256
 
 
 class DraftProposer:
@@ -44,11 +46,19 @@ class DraftProposer:
     def propose_for(self, wanted, kv_cache) -> dict[str, list[int]]:
         rows: list[ScheduledRequest] = []
         counts: dict[str, int] = {}
+        catch_up = 0
         for request, k in wanted:
             rid, n = request.request_id, request.num_tokens
+            start = min(self._computed.get(rid, 0), request.num_computed_tokens)
+            # The draft prefills what it has not seen (a new request's whole
+            # prompt) in its first round: at most CATCH_UP_TOKENS of that a
+            # step, past the first request, so that the batch's prompts are
+            # not all prefilled by the draft in one stalled step.
+            if rows and catch_up + n - start > CATCH_UP_TOKENS:
+                continue  # proposes in a later step
             if not kv_cache.allocate_slots(rid, n + k):
                 continue  # no blocks to spare: this request decodes plainly
-            start = min(self._computed.get(rid, 0), request.num_computed_tokens)
+            catch_up += n - start
             tokens = request.token_slice(start, n)
             rows.append(ScheduledRequest(rid, tokens, start, kv_cache.block_table(rid), True,
                                          _GREEDY, 0, prompt_token_ids=[]))

@@ -265,6 +265,12 @@ class ProposalBudget:
         if spare <= 0:
             return {}
         k_max = self.config.num_speculative_tokens
+        if self.config.method == "draft_model" and self.draft_cost is None:
+            # Until a draft's cost is measured, one request proposes: a new
+            # request's first proposal makes the draft prefill its prompt,
+            # which a draft that turns out not to pay should do once, not
+            # for the whole batch.
+            request_ids = request_ids[:1]
         wanted = {rid: self._wanted(rid, k_max) for rid in request_ids}
         # The best acceptors first; each gets what it wants while budget lasts.
         shares: dict[str, int] = {}
@@ -273,7 +279,22 @@ class ProposalBudget:
             if take > 0:
                 shares[rid] = take
                 spare -= take
+        cost = self.draft_cost if self.config.method == "draft_model" else None
+        if shares and cost is not None and not self._pays(shares, len(request_ids), cost):
+            return {}
         return shares
+
+    def _pays(self, shares: dict[str, int], decoding: int, cost: float) -> bool:
+        """Whether the step's proposals pay for the draft rounds they take:
+        the batch's expected tokens (each decoding request's one, plus the
+        proposers' expected accepted ones) over its time (a target step plus
+        max(k) draft rounds), against one token per request a plain step."""
+        extra = 0.0
+        for rid, k in shares.items():
+            rate = self._acceptance.get(rid, ACCEPTANCE_PRIOR)
+            extra += sum(rate ** i for i in range(1, k + 1))
+        gain = (1 + extra / decoding) / (1 + max(shares.values()) * cost)
+        return gain >= MIN_DRAFT_GAIN
 
     def _wanted(self, request_id: str, k_max: int) -> int:
         rate = self._acceptance.get(request_id, ACCEPTANCE_PRIOR)

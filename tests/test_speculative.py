@@ -118,6 +118,7 @@ def test_a_draft_proposes_only_where_its_cost_pays():
         budget.observe_draft(0.010)
         budget.observe_target(0.011)
     assert budget.draft_cost is None and budget.shares(["a"]) == {"a": 4}  # not measured yet
+    assert budget.shares(["a", "b", "c"]) == {"a": 4}  # and only one request measures it
     budget.observe_draft(0.010)
     budget.observe_target(0.011)
     assert budget.draft_cost == pytest.approx(0.010 / 0.011)
@@ -125,6 +126,19 @@ def test_a_draft_proposes_only_where_its_cost_pays():
     for _ in range(20):                           # the batch grew; the draft did not
         budget.observe_target(0.100)
     assert budget.shares(["a"]) == {"a": 4}
+    # A batch: the draft's rounds delay every decoding request, proposing or
+    # not. 8 decodes, a draft round a tenth of a step: two good proposers
+    # pay (1 + 2 * 3.69 / 8 tokens for 1.4 steps' time: 1.37x), one does not.
+    wide = ProposalBudget(SpeculativeConfig("draft_model", 4, model="m"), 16)
+    for _ in range(COST_SAMPLES):
+        wide.observe_draft(0.010)
+        wide.observe_target(0.100)
+    for rid in ("a", "b", "c"):
+        for _ in range(10):
+            wide.record(rid, 4, 4 if rid != "c" else 0)
+    batch = ["a", "b"] + [f"d{i}" for i in range(6)]
+    assert wide.shares(batch) == {"a": 4, "b": 4}
+    assert wide.shares(["a"] + [f"d{i}" for i in range(11)]) == {}
     ngram = ProposalBudget(SpeculativeConfig("ngram", 4), 8)
     ngram.observe_target(0.01)                    # an n-gram lookup costs no forward pass
     assert ngram.draft_cost is None
