@@ -336,8 +336,9 @@ class EngineCore:
             outputs.append(self._final_output(request, [], "", faults[request.request_id]))
             outputs[-1].error_type = result.error_types.get(request.request_id)
         if self.speculator is not None:
-            if output.requests and not any(_is_prefill(r) for r in output.requests):
-                self.speculator.observe_step(result.timings.forward)
+            if output.requests:
+                prefill = any(_is_prefill(r) for r in output.requests)
+                self.speculator.observe_step(None if prefill else result.timings.forward)
             self.speculator.release({*self.scheduler.requests})
             self.speculator.propose(self.scheduler.running, self.max_model_len, self.kv_cache)
         num_faulted = len(failed_requests)

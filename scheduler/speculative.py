@@ -240,14 +240,19 @@ class ProposalBudget:
         # prompt tokens, each with how many steps it has seen.
         self._draft_s = self._target_s = 0.0
         self._draft_n = self._target_n = 0
+        self._after_prefill = False
 
     def observe_draft(self, seconds: float) -> None:
         self._draft_s = _average(self._draft_s, seconds, self._draft_n)
         self._draft_n += 1
 
-    def observe_target(self, seconds: float) -> None:
-        self._target_s = _average(self._target_s, seconds, self._target_n)
-        self._target_n += 1
+    def observe_target(self, seconds: float | None) -> None:
+        """A target step's forward time, or None for a step with prompt
+        tokens (not measured: a prefill's time is not a decode's)."""
+        self._after_prefill = seconds is None
+        if seconds is not None:
+            self._target_s = _average(self._target_s, seconds, self._target_n)
+            self._target_n += 1
 
     @property
     def draft_cost(self) -> float | None:
@@ -266,10 +271,13 @@ class ProposalBudget:
             return {}
         k_max = self.config.num_speculative_tokens
         if self.config.method == "draft_model" and self.draft_cost is None:
-            # Until a draft's cost is measured, one request proposes: a new
-            # request's first proposal makes the draft prefill its prompt,
-            # which a draft that turns out not to pay should do once, not
-            # for the whole batch.
+            # Until a draft's cost is measured, one request proposes, after
+            # steps without prompt tokens (the target's decode time is
+            # measured beside the draft's): a new request's first proposal
+            # makes the draft prefill its prompt, which a draft that turns
+            # out not to pay should do once, not for the whole batch.
+            if self._after_prefill:
+                return {}
             request_ids = request_ids[:1]
         wanted = {rid: self._wanted(rid, k_max) for rid in request_ids}
         # The best acceptors first; each gets what it wants while budget lasts.
@@ -361,9 +369,9 @@ class Speculator:
             for seconds in getattr(self.proposer, "take_round_times", list)():
                 self.budget.observe_draft(seconds)
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float | None) -> None:
         """The target's forward time of a step without prompt tokens (what
-        a draft's cost is measured against)."""
+        a draft's cost is measured against), None after one with them."""
         self.budget.observe_target(seconds)
 
     def release(self, live_ids: set[str]) -> None:

@@ -119,8 +119,10 @@ def test_a_draft_proposes_only_where_its_cost_pays():
         budget.observe_target(0.011)
     assert budget.draft_cost is None and budget.shares(["a"]) == {"a": 4}  # not measured yet
     assert budget.shares(["a", "b", "c"]) == {"a": 4}  # and only one request measures it
-    budget.observe_draft(0.010)
+    budget.observe_target(None)                   # a step with prompt tokens: not now
+    assert budget.shares(["a"]) == {}
     budget.observe_target(0.011)
+    budget.observe_draft(0.010)
     assert budget.draft_cost == pytest.approx(0.010 / 0.011)
     assert budget.shares(["a"]) == {}             # measured as costly as the target
     for _ in range(20):                           # the batch grew; the draft did not
