@@ -56,7 +56,7 @@ QUANTIZED_LINEARS = ("int8", "int4", "gguf")
 # and its packed copy of the weights stays.
 AMX_PREFILL_ROWS = 1024
 # Rows of the whole-step decode (one native call a step, no Python between
-# the ops: ~4-6 ms of a c=32 step, docs/benchmarks.md, session 10) where its
+# the ops: ~4-6 ms of a c=32 step, the notebook that docs/benchmarks.md was until 2026-12-06, in git history, session 10) where its
 # linears run on AMX tiles; the gemv's 4 elsewhere. decode_bf16.c's
 # BATON_WHOLE_STEP_AMX_ROWS.
 WHOLE_STEP_AMX_ROWS = 32

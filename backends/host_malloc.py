@@ -16,7 +16,7 @@ Per-thread arenas also let RSS creep over hours of mixed load ("Soak").
   glibc unmaps such a heap whenever it empties, whatever the trim threshold
   says: a long-running server's step thread mapped and unmapped heaps around
   every prefill step (42,000-81,000 minor faults per 2048-token step against
-  ~11,500, its new KV blocks, with one arena; docs/benchmarks.md, session 13).
+  ~11,500, its new KV blocks, with one arena; the notebook that docs/benchmarks.md was until 2026-12-06, session 13).
   Python's small objects come from its own allocator, so the one lock is
   rarely contended;
 - ``M_MMAP_THRESHOLD`` = 32 MiB: blocks below it come from the arenas (and are
