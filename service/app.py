@@ -296,6 +296,13 @@ def _admit(state: ServerState, engine: AsyncEngine, prepared) -> None:
                             f"server queues at once ({cfg.max_waiting_tokens})",
                        param="prompt" if prepared.n == 1 or
                        tokens // prepared.n > cfg.max_waiting_tokens else "n")
+    refuse_when_queue_full(state, load, count, tokens)
+
+
+def refuse_when_queue_full(state: ServerState, load, count: int, tokens: int) -> None:
+    """429 (Retry-After) where ``count`` more requests holding ``tokens``
+    prompt tokens would overfill the waiting queue, counted by reason."""
+    cfg = state.config
     reason = None
     if load.num_waiting + count > cfg.max_waiting_requests:
         reason, what = "queue_full", f"too many requests waiting ({load.num_waiting})"

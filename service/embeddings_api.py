@@ -26,7 +26,8 @@ from backends.interface import PoolingParams, SamplingParams
 from scheduler.async_engine import AsyncEngine
 from scheduler.outputs import ModelInfo, RequestOutput
 from scheduler.request import FinishReason
-from service.app import STATE, ServerState, _check_model, _decode, _read
+from service.app import (STATE, ServerState, _check_model, _decode, _read,
+                         refuse_when_queue_full)
 from service.embeddings_protocol import (Embedding, EmbeddingRequest, EmbeddingResponse,
                                          EmbeddingUsage)
 from service.http_errors import APIError, from_invalid_request
@@ -169,18 +170,7 @@ def _admit(state: ServerState, engine: AsyncEngine, prepared: PreparedEmbeddings
     if tokens > cfg.max_waiting_tokens:
         raise APIError(400, f"the inputs hold {tokens} tokens, more than this server queues "
                             f"at once ({cfg.max_waiting_tokens})", param="input")
-    load = engine.load()
-    reason = None
-    if load.num_waiting + count > cfg.max_waiting_requests:
-        reason, what = "queue_full", f"too many requests waiting ({load.num_waiting})"
-    elif load.num_waiting_tokens + tokens > cfg.max_waiting_tokens:
-        reason, what = "queue_tokens_full", \
-            f"too many prompt tokens waiting ({load.num_waiting_tokens})"
-    if reason is not None:
-        if state.obs is not None:
-            state.obs.metrics.admission_rejected(reason)
-        raise APIError(429, f"{what}; retry shortly", headers={"Retry-After": "1"},
-                       code="queue_full")
+    refuse_when_queue_full(state, engine.load(), count, tokens)
 
 
 # -------------------------------------------------------------------- the run

@@ -5,7 +5,6 @@ afterwards, and no prompt ever sent twice across servers."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -196,19 +195,11 @@ async def test_contention_measures_quiet_and_contended(fake_server, capsys):  # 
     assert len(measured) == 4 and len(set(measured)) == 4
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def test_stop_waits_for_the_whole_process_group(tmp_path):
     """A started server is a shell command; stop() returns only when every
     process of its group is gone. (vLLM's API server outlives its shell by
     seconds; the next server on the same port then found it answering 500.)"""
-    from benchmarks.compare import StartedServer
+    from benchmarks.compare import StartedServer, _group_alive
     lingering = (f"{sys.executable} -c 'import signal, time; "
                  "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), exit(0))); "
                  "time.sleep(60)' & sleep 60")

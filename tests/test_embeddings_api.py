@@ -287,3 +287,25 @@ def test_model_whose_pooling_is_unsupported_refuses(tmp_path, tiny_llama_dir):
         resp = requests.post(f"{srv.base_url}/v1/completions",
                              json={"prompt": "a", "max_tokens": 2})
         assert resp.status_code == 200
+
+
+def test_a_full_queue_is_a_429_with_retry_after(server, monkeypatch):
+    """Embedding inputs queue as generation prompts do: past the waiting
+    queue's requests or tokens, 429 queue_full with Retry-After, counted by
+    reason."""
+    import dataclasses
+    engine = server.state.engine
+    real = engine.load
+    for field, reason in (("num_waiting", "queue_full"),
+                          ("num_waiting_tokens", "queue_tokens_full")):
+        monkeypatch.setattr(engine, "load",
+                            lambda f=field: dataclasses.replace(real(), **{f: 10**9}))
+        resp = requests.post(f"{server.base_url}/v1/embeddings", json={"input": TEXTS[:2]})
+        assert resp.status_code == 429, resp.text
+        assert resp.headers["Retry-After"] == "1"
+        assert resp.json()["error"]["code"] == "queue_full"
+        metrics = requests.get(f"{server.base_url}/metrics").text
+        assert f'reason="{reason}"' in metrics
+    monkeypatch.setattr(engine, "load", real)
+    assert requests.post(f"{server.base_url}/v1/embeddings",
+                         json={"input": TEXTS[:1]}).status_code == 200
