@@ -146,6 +146,20 @@ def test_a_draft_proposes_only_where_its_cost_pays():
     assert ngram.draft_cost is None
 
 
+
+def _check_acceptance(results, mode: str) -> None:
+    """Proposals were made, and an oracle of ``mode`` had all, none or some
+    of them accepted."""
+    proposed = sum(r.spec_proposed for r in results.values())
+    accepted = sum(r.spec_accepted for r in results.values())
+    assert proposed > 0
+    if mode == "right":
+        assert accepted == proposed
+    elif mode == "wrong":
+        assert accepted == 0
+    else:
+        assert 0 < accepted < proposed
+
 # ------------------------------------------------------------------ engine
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
@@ -190,15 +204,8 @@ def test_output_is_the_output_without_speculation(tiny_llama_dir, params, mode):
     core.speculator.proposer = oracle
     spec = run_all(core, prompts, PARAMS[params])   # also checks every block came back
     _same(reference, spec)
-    proposed = sum(r.spec_proposed for r in spec.values())
-    accepted = sum(r.spec_accepted for r in spec.values())
-    assert proposed > 0 and oracle.calls > 0
-    if mode == "right":
-        assert accepted == proposed
-    elif mode == "wrong":
-        assert accepted == 0
-    else:
-        assert 0 < accepted < proposed
+    _check_acceptance(spec, mode)
+    assert oracle.calls > 0
 
 
 @pytest.mark.parametrize("arch", [pytest.param("qwen2", marks=pytest.mark.slow), "qwen3",
@@ -397,15 +404,7 @@ def test_structured_output_with_speculation_is_the_output_without(tiny_llama_dir
     for res in spec.values():
         assert res.finish_reason == "stop"
         assert set(json.loads(res.text)) == {"ok", "level", "tags"}
-    proposed = sum(r.spec_proposed for r in spec.values())
-    accepted = sum(r.spec_accepted for r in spec.values())
-    assert proposed > 0
-    if mode == "right":
-        assert accepted == proposed
-    elif mode == "wrong":
-        assert accepted == 0
-    else:
-        assert 0 < accepted < proposed
+    _check_acceptance(spec, mode)
 
 
 @pytest.mark.slow
