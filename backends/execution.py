@@ -224,7 +224,7 @@ class ExecutionPlan:
     sliding_attention: str = "none"  # sliding-window layers, decode and prefill: torch-sdpa
     softcap_attention: str = "none"  # soft-capped layers: torch-eager
     moe: str = "none"                # expert dispatch: torch-grouped
-    # How token-row steps (decodes, verification rows, prefill chunks where
+    # How token-row steps (decodes, verification rows, short prefill chunks where
     # every layer's attention is the native decode kernel) run: "compiled"
     # (the model's forward under torch.compile, backends/compiled_step.py) or
     # "eager". Steps of a few tokens take the whole-step native decode first.

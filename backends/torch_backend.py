@@ -86,6 +86,30 @@ def _out_rows(logits_index: torch.Tensor, num_tokens: int,
     return logits_index if 0 < n < num_tokens and not spans and not pooling else None
 
 
+# A token-row step sends every token to the decode kernel, which reads a
+# token's whole context once per token: cheap for decodes, verification rows
+# and short chunks, but a long chunk over a long context re-reads it per query
+# token where SDPA (torch's flash attention) reads it once per block of queries.
+# A step holding a chunk of at least SEGMENT_MIN_TOKENS tokens whose query-key
+# pairs (its tokens times the positions up to its end) number at least
+# SEGMENT_MIN_PAIRS takes the segment path instead: decodes to the kernel, each
+# chunk to SDPA. Measured on a 2-core AMX Xeon, SmolLM2-135M bf16, one step
+# (benchmarks/profile_step.py): a 512-token chunk over 3,000 cached tokens
+# 370 ms against 910, 64 over 2,000 60 against 88, 4 chunks of 120 over 192
+# beside 28 decodes 166 against 194; below the line the kernel wins (16 over
+# 3,000: 44 against 53; 4 of 64 over 192: 114 against 131).
+SEGMENT_MIN_TOKENS = 64
+SEGMENT_MIN_PAIRS = 32768
+
+
+def segment_attention_pays(rows: list[ScheduledRequest]) -> bool:
+    """Whether a step's chunks are long enough to go to SDPA as segments
+    rather than to the decode kernel token by token (see SEGMENT_MIN_TOKENS)."""
+    return any(len(r.token_ids) >= SEGMENT_MIN_TOKENS
+               and len(r.token_ids) * (r.start_pos + len(r.token_ids)) >= SEGMENT_MIN_PAIRS
+               for r in rows)
+
+
 def _pools(row: ScheduledRequest | ForwardRow) -> bool:
     """An embedding request's row: pooled, never sampled."""
     return getattr(row, "pooling", None) is not None or getattr(row, "pool", False)
@@ -189,9 +213,9 @@ class TorchBackend:
             block_size=block_size, device=self.device)
         # Every token attends as a decode does, through the native decode
         # kernel reading the pool in place (decodes, verification rows and
-        # prefill chunks alike: one attention for every row, whatever the
-        # step holds), where the plan has that kernel for every layer; the
-        # step's forward is then compiled where the plan says so.
+        # short prefill chunks alike: segment_attention_pays), where the plan
+        # has that kernel for every layer; the step's forward is then compiled
+        # where the plan says so.
         self._token_rows = (plan.decode_attention == "native" and parallel is None
                             and plan.sliding_attention == "none"
                             and plan.softcap_attention == "none")
@@ -383,7 +407,8 @@ class TorchBackend:
         # Prompt logprobs and pooling read every row's hidden state: those
         # steps take the eager path over whole chunks.
         shared = self._shared_prefix_groups(rows)
-        token_rows = self._token_rows and not spans and not pools and not shared
+        token_rows = (self._token_rows and not spans and not pools and not shared
+                      and not segment_attention_pays(rows))
         filled = self._batch.fill(rows, token_rows)
         if token_rows:
             sample_rows, logits_index = self._sample_rows(rows)
