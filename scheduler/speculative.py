@@ -242,6 +242,13 @@ class ProposalBudget:
         self._draft_n = self._target_n = 0
         self._after_prefill = False
 
+    def forget_costs(self) -> None:
+        """Drop the cost measurements so far (the warm-up's first, cold
+        passes: one-time costs are not a draft's cost)."""
+        self._draft_s = self._target_s = 0.0
+        self._draft_n = self._target_n = 0
+        self._after_prefill = False
+
     def observe_draft(self, seconds: float) -> None:
         self._draft_s = _average(self._draft_s, seconds, self._draft_n)
         self._draft_n += 1

@@ -9,7 +9,9 @@ server will use, covering a prefill chunk, a lone decode and a batched
 decode (below and above the whole-step native decode's rows: 4, 32 on AMX) and
 one request under a structured-output constraint (so the grammar engine's
 tokenizer table, about a second for a large vocabulary, is built now rather
-than by the first constrained request), then checks that every KV block and every per-request table came back empty. It runs before the step loop starts
+than by the first constrained request), with a draft model for speculative
+decoding a request or two that measure the draft's cost (warm: the passes
+before do not count), then checks that every KV block and every per-request table came back empty. It runs before the step loop starts
 and before metrics are attached, so nothing it does shows in /metrics.
 """
 
@@ -30,6 +32,10 @@ PROMPT_TEXT = "Baton warms up before it serves: the first request should be as f
 BATCHES = (1, 5)
 OUTPUT_TOKENS = 3
 CONSTRAINT = StructuredOutputSpec("choice", '["yes", "no"]')
+# With a draft model: requests of this many tokens until the draft's cost is
+# measured (scheduler/speculative.py, COST_SAMPLES rounds and target steps).
+CALIBRATION_TOKENS = 16
+CALIBRATION_REQUESTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,29 @@ def warm_up(core: EngineCore) -> WarmupReport:
         while core.has_work():
             core.step()
             steps += 1
+    spec = core.speculator
+    if spec is not None and spec.config.method == "draft_model":
+        # A draft model's cost (its proposal round over a target step) is
+        # measured now, warm, on a short prompt, so that the server knows
+        # from its first request whether the draft pays: otherwise the first
+        # request to probe makes the draft prefill its whole prompt, on the
+        # user's time, for a draft that may then never propose again.
+        spec.budget.forget_costs()
+        for _ in range(CALIBRATION_REQUESTS):
+            if spec.budget.draft_cost is not None:
+                break
+            core.add_request(f"warmup-draft-{requests}", prompt, SamplingParams(
+                max_tokens=CALIBRATION_TOKENS, temperature=0.0, ignore_eos=True))
+            requests += 1
+            while core.has_work():
+                core.step()
+                steps += 1
+        if spec.budget.draft_cost is None:
+            log.warning("warm-up: the draft model's cost is not measured yet; the first "
+                        "requests probe it")
+        else:
+            log.info("warm-up: a draft proposal round costs %.2f target steps",
+                     spec.budget.draft_cost)
     core.check_integrity()
     left = {table: n for table, n in core.state_sizes().items() if n}
     if left:

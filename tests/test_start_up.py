@@ -159,3 +159,24 @@ def test_warm_up_runs_lone_and_batched_decodes_and_leaves_nothing(tiny_llama_dir
     assert report.steps >= len(batches) * OUTPUT_TOKENS
     assert not any(core.state_sizes().values())
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+
+
+def test_warm_up_measures_a_draft_models_cost(tiny_llama_dir):
+    """With a draft model the warm-up times the draft's rounds against the
+    target's steps, so no user request has to probe them; the cold passes
+    before do not count, and nothing is left behind."""
+    import json
+
+    from scheduler.speculative import COST_SAMPLES
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_llama_dir),
+                       "num_speculative_tokens": 3})
+    core = make_engine(tiny_llama_dir, speculative_config=spec)
+    budget = core.speculator.budget
+    report = warm_up(core)
+    assert budget.draft_cost is not None
+    assert budget._draft_n >= COST_SAMPLES and budget._target_n >= COST_SAMPLES
+    batches = [min(b, core.config.max_num_seqs) for b in BATCHES]
+    assert report.requests > sum(batches) + 1  # the calibration request(s)
+    assert not any(core.state_sizes().values())
+    assert core.speculator.request_ids == set()
+    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
