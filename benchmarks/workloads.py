@@ -152,6 +152,22 @@ def passage(index: int, n_words: int) -> str:
     return " ".join(all_words[start:start + n_words])
 
 
+def grounded_asks(seed: int, num_requests: int, passage_words: int) -> list[str]:
+    """The grounded workload's user messages: copy out a passage."""
+    return [f"Task {seed}-{k}. Copy out the following text exactly, one sentence per "
+            f"line:\n\n{passage(seed * 1000 + k, passage_words)}" for k in range(num_requests)]
+
+
+def chat_asks(seed: int, num_requests: int) -> list[str]:
+    """The chat workload's user messages: a story, an explanation or a poem."""
+    asks = []
+    for k in range(num_requests):
+        i = seed * 1000 + k
+        ask = _ASKS[i % len(_ASKS)].format(_TOPICS[(i // len(_ASKS)) % len(_TOPICS)])
+        asks.append(f"({i}) {ask}")
+    return asks
+
+
 def _chat(model: str, content: str, output_len: int) -> bytes:
     return json.dumps({
         "model": model, "messages": [{"role": "user", "content": content}],
@@ -206,9 +222,8 @@ async def run_grounded(base_url: str, model: str, *, users: int = 1, num_request
                        passage_words: int = 300, output_len: int = 256, seed: int = 0,
                        api_key: str | None = None, timeout: float = 900.0) -> LoadResult:
     base = normalize_base_url(base_url)
-    bodies = [_chat(model, f"Task {seed}-{k}. Copy out the following text exactly, one "
-                           f"sentence per line:\n\n{passage(seed * 1000 + k, passage_words)}",
-                    output_len) for k in range(num_requests)]
+    bodies = [_chat(model, ask, output_len)
+              for ask in grounded_asks(seed, num_requests, passage_words)]
     return await _spec_run(base, base + "/v1/chat/completions", bodies, users, api_key,
                            timeout, **_run_fields(base, model, users, num_requests,
                                                   passage_words, output_len, seed))
@@ -218,11 +233,7 @@ async def run_chat(base_url: str, model: str, *, users: int = 1, num_requests: i
                    output_len: int = 256, seed: int = 0, api_key: str | None = None,
                    timeout: float = 900.0) -> LoadResult:
     base = normalize_base_url(base_url)
-    bodies = []
-    for k in range(num_requests):
-        i = seed * 1000 + k
-        ask = _ASKS[i % len(_ASKS)].format(_TOPICS[(i // len(_ASKS)) % len(_TOPICS)])
-        bodies.append(_chat(model, f"({i}) {ask}", output_len))
+    bodies = [_chat(model, ask, output_len) for ask in chat_asks(seed, num_requests)]
     return await _spec_run(base, base + "/v1/chat/completions", bodies, users, api_key,
                            timeout, **_run_fields(base, model, users, num_requests, 0,
                                                   output_len, seed))

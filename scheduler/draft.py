@@ -66,9 +66,10 @@ class DraftProposer:
         proposals: dict[str, list[int]] = {rid: [] for rid in counts}
         while rows:
             result = self.backend.execute(SchedulerOutput(rows))
-            # A round of a token or two per row is what a proposal costs
-            # (one that catches up on a prompt is a prefill's cost, once).
-            if max(len(row.token_ids) for row in rows) <= 2:
+            # A round of a token or two of one row is what the draft's cost
+            # is (ProposalBudget sets it against a target step of one row;
+            # one that catches up on a prompt is a prefill's cost, once).
+            if len(rows) == 1 and len(rows[0].token_ids) <= 2:
                 self._round_times.append(result.timings.forward)
             ends = {row.request_id: row.start_pos + len(row.token_ids) for row in rows}
             tables = {row.request_id: row.block_table for row in rows}

@@ -338,7 +338,8 @@ class EngineCore:
         if self.speculator is not None:
             if output.requests:
                 prefill = any(_is_prefill(r) for r in output.requests)
-                self.speculator.observe_step(None if prefill else result.timings.forward)
+                self.speculator.observe_step(None if prefill else result.timings.forward,
+                                             output.num_tokens, len(output.requests))
             self.speculator.release({*self.scheduler.requests})
             self.speculator.propose(self.scheduler.running, self.max_model_len, self.kv_cache)
         num_faulted = len(failed_requests)

@@ -235,29 +235,35 @@ class ProposalBudget:
         self.config = config
         self.budget = budget
         self._acceptance: dict[str, float] = {}
-        # A draft model's cost: moving averages of one draft round (a forward
-        # of one token per proposing row) and of one target step without
-        # prompt tokens, each with how many steps it has seen.
+        # A draft model's cost: moving averages of a draft round of one row
+        # (one request's token) and of a target step of one row (one plain
+        # decode), each with how many it has seen. Both of one row, so that
+        # their ratio does not drift with the batch: a target step of more
+        # rows is not a reason to draft (its proposers and verification rows
+        # grow with it).
         self._draft_s = self._target_s = 0.0
         self._draft_n = self._target_n = 0
-        self._after_prefill = False
+        self._after_plain = False
 
     def forget_costs(self) -> None:
         """Drop the cost measurements so far (the warm-up's first, cold
         passes: one-time costs are not a draft's cost)."""
         self._draft_s = self._target_s = 0.0
         self._draft_n = self._target_n = 0
-        self._after_prefill = False
+        self._after_plain = False
 
     def observe_draft(self, seconds: float) -> None:
+        """A draft round of one row's forward time."""
         self._draft_s = _average(self._draft_s, seconds, self._draft_n)
         self._draft_n += 1
 
-    def observe_target(self, seconds: float | None) -> None:
-        """A target step's forward time, or None for a step with prompt
-        tokens (not measured: a prefill's time is not a decode's)."""
-        self._after_prefill = seconds is None
-        if seconds is not None:
+    def observe_target(self, seconds: float | None, rows: int = 1,
+                       requests: int = 1) -> None:
+        """A target step's forward time, token rows and requests, or None
+        for a step with prompt tokens (a prefill's time is not a decode's).
+        Only a plain step (no proposals) of one row is measured."""
+        self._after_plain = seconds is not None and rows == requests
+        if self._after_plain and rows == 1:
             self._target_s = _average(self._target_s, seconds, self._target_n)
             self._target_n += 1
 
@@ -278,12 +284,13 @@ class ProposalBudget:
             return {}
         k_max = self.config.num_speculative_tokens
         if self.config.method == "draft_model" and self.draft_cost is None:
-            # Until a draft's cost is measured, one request proposes, after
-            # steps without prompt tokens (the target's decode time is
-            # measured beside the draft's): a new request's first proposal
-            # makes the draft prefill its prompt, which a draft that turns
-            # out not to pay should do once, not for the whole batch.
-            if self._after_prefill:
+            # Until a draft's cost is measured (the server's warm-up does, so
+            # this is a fallback), one request proposes, every other step:
+            # after a plain step, so that a lone request's plain decode is
+            # timed between the draft's rounds. A new request's first
+            # proposal makes the draft prefill its prompt, which a draft that
+            # turns out not to pay should do once, not for the whole batch.
+            if not self._after_plain:
                 return {}
             request_ids = request_ids[:1]
         wanted = {rid: self._wanted(rid, k_max) for rid in request_ids}
@@ -376,10 +383,11 @@ class Speculator:
             for seconds in getattr(self.proposer, "take_round_times", list)():
                 self.budget.observe_draft(seconds)
 
-    def observe_step(self, seconds: float | None) -> None:
-        """The target's forward time of a step without prompt tokens (what
-        a draft's cost is measured against), None after one with them."""
-        self.budget.observe_target(seconds)
+    def observe_step(self, seconds: float | None, rows: int = 1, requests: int = 1) -> None:
+        """The target's forward time of a step without prompt tokens, its
+        token rows and requests (a plain step of one row is what a draft's
+        cost is measured against), None after one with prompt tokens."""
+        self.budget.observe_target(seconds, rows, requests)
 
     def release(self, live_ids: set[str]) -> None:
         """Drop the state of requests no longer live."""

@@ -34,7 +34,7 @@ OUTPUT_TOKENS = 3
 CONSTRAINT = StructuredOutputSpec("choice", '["yes", "no"]')
 # With a draft model: requests of this many tokens until the draft's cost is
 # measured (scheduler/speculative.py, COST_SAMPLES rounds and target steps).
-CALIBRATION_TOKENS = 16
+CALIBRATION_TOKENS = 24
 CALIBRATION_REQUESTS = 3
 
 

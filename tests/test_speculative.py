@@ -121,13 +121,21 @@ def test_a_draft_proposes_only_where_its_cost_pays():
     assert budget.shares(["a", "b", "c"]) == {"a": 4}  # and only one request measures it
     budget.observe_target(None)                   # a step with prompt tokens: not now
     assert budget.shares(["a"]) == {}
+    budget.observe_target(0.013, rows=3)          # a verification step: not timed,
+    assert budget.shares(["a"]) == {}             # and the next step is a plain one
+    budget.observe_target(0.030, rows=4, requests=4)  # plain, of four rows: not timed
+    assert budget.shares(["a", "b", "c", "d"]) == {"a": 4}  # but one may probe after it
+    assert budget.draft_cost is None
     budget.observe_target(0.011)
     budget.observe_draft(0.010)
     assert budget.draft_cost == pytest.approx(0.010 / 0.011)
     assert budget.shares(["a"]) == {}             # measured as costly as the target
-    for _ in range(20):                           # the batch grew; the draft did not
-        budget.observe_target(0.100)
-    assert budget.shares(["a"]) == {"a": 4}
+    for _ in range(20):                           # steps of many rows do not move it:
+        budget.observe_target(0.100, rows=8, requests=8)  # a draft's rounds grow with the batch too
+    assert budget.draft_cost == pytest.approx(0.010 / 0.011)
+    assert budget.shares(["a"]) == {}
+    budget.forget_costs()                         # the warm-up's cold passes
+    assert budget.draft_cost is None
     # A batch: the draft's rounds delay every decoding request, proposing or
     # not. 8 decodes, a draft round a tenth of a step: two good proposers
     # pay (1 + 2 * 3.69 / 8 tokens for 1.4 steps' time: 1.37x), one does not.
@@ -465,10 +473,16 @@ def test_a_draft_model_proposes_and_changes_nothing(tiny_llama_dir, quantization
         if params == "greedy":
             proposed = sum(r.spec_proposed for r in results.values())
             accepted = sum(r.spec_accepted for r in results.values())
-            assert proposed > 0 and accepted >= 0.8 * proposed
-        # Its own copy costs what the target does: once measured, it stops.
+            assert proposed > 0 and accepted >= 0.7 * proposed  # int8 rounds differently
+        # Its cost is timed on steps of one row (a batch only probes): the
+        # server's warm-up times it. The same weights cost what the target
+        # does: once measured, they stop (an int8 copy of so small a model
+        # may well be cheaper).
+        from service.warmup import warm_up
+        warm_up(core)
         assert core.speculator.budget.draft_cost is not None
-        assert core.speculator.budget.shares(["x"]) == {}
+        if quantization == "none":
+            assert core.speculator.budget.shares(["x"]) == {}
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny_llama_dir):
