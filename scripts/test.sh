@@ -46,5 +46,5 @@ fi
 if [ "$#" -eq 0 ]; then
     BATON_CPU_KIND=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
         .venv/bin/python -m pytest -q -ra --durations=10 tests/test_engine_agreement.py \
-        tests/test_compiled_step.py tests/test_cpu_kernels.py
+        tests/test_compiled_step.py tests/test_cpu_kernels.py tests/test_segment_attention.py
 fi
