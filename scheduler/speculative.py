@@ -241,9 +241,7 @@ class ProposalBudget:
         # their ratio does not drift with the batch: a target step of more
         # rows is not a reason to draft (its proposers and verification rows
         # grow with it).
-        self._draft_s = self._target_s = 0.0
-        self._draft_n = self._target_n = 0
-        self._after_plain = False
+        self.forget_costs()
 
     def forget_costs(self) -> None:
         """Drop the cost measurements so far (the warm-up's first, cold
