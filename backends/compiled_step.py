@@ -47,8 +47,14 @@ def compile_cache_dir() -> Path:
 
 def use_compile_cache(path: Path | None = None) -> Path:
     """Point Inductor's on-disk caches at ``path`` (default
-    ``compile_cache_dir()``), unless TORCHINDUCTOR_CACHE_DIR names one."""
-    path = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or path or compile_cache_dir())
+    ``compile_cache_dir()``), unless TORCHINDUCTOR_CACHE_DIR names one. Torch
+    sets that variable itself, to its default /tmp folder, when Dynamo is
+    imported: that value is not a choice, and Baton's folder replaces it."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named and os.path.abspath(named) == os.path.abspath(default_cache_dir()):
+        named = None
+    path = Path(named or path or compile_cache_dir())
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
@@ -66,6 +72,19 @@ def _token_rows_forward(model: torch.nn.Module,
 
 
 _compiled_steps = itertools.count()
+
+
+def _step_guards(entries) -> list[bool]:
+    """Which of Dynamo's guards the step keeps. The model's modules never
+    change after loading: their tensors' guards would cost ~1 ms a step for
+    nothing. The global-state guard (grad mode, default dtype, ..., and
+    torch's thread count) goes too: the step runs only from the backend's
+    inference-mode step, where none of them changes but the thread count,
+    which the governor moves with the machine's load, and each new count
+    would otherwise recompile (seconds, mid-serving) a graph whose loops
+    ``cpp.dynamic_threads`` leaves to the count of the moment anyway."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    return [k and entry.guard_type != "GLOBAL_STATE" for k, entry in zip(keep, entries)]
 
 
 def _own_code(fn):
@@ -93,10 +112,12 @@ class CompiledStep:
         self.kv_caches = kv_caches
         self.cache_dir = use_compile_cache()
         forward = _own_code(_token_rows_forward(model, kv_caches))
+        self._code = forward.__code__
         options = {
-            # The model's modules never change after loading: their tensors'
-            # guards would cost ~1 ms a step for nothing.
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "guard_filter_fn": _step_guards,
+            # Generated loops take the thread count torch has when they run
+            # (the governor's, backends/cpu_threads.py), not the compile's.
+            "cpp.dynamic_threads": True,
             "size_asserts": False, "alignment_asserts": False,
             "cpp_wrapper": os.environ.get("BATON_CPP_WRAPPER", "0") == "1",
         }
@@ -124,6 +145,12 @@ class CompiledStep:
                           meta.seq_lens, logits_index, meta.block_size)
         return logits[:picked] if picked < logits.shape[0] else logits
 
+    def graphs_compiled(self) -> int:
+        """How many graphs Dynamo holds for this step (2 once warm: one
+        token, more; a third is a recompile)."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        return len(_debug_get_cache_entry_list(self._code))
+
     def warm_up(self, block_size: int, device: torch.device, progress: bool = True,
                 one_token: bool = True) -> float:
         """Build (or load from the cache) the many-token graph and, with
@@ -135,14 +162,18 @@ class CompiledStep:
         with heartbeat(f"compiling the model's step (cache {self.cache_dir})",
                        enabled=progress, done_line=False):
             for t in (1, 2) if one_token else (2,):
+                # As a step passes them: the batch's tensors were made
+                # outside inference mode, the rows to project inside it.
+                # Dynamo guards on the difference (a dispatch key), so a
+                # dummy made otherwise builds graphs no step reuses.
                 ids = torch.zeros(t, dtype=torch.long, device=device)
+                positions = torch.arange(t, device=device)
                 meta = TokenRowsMetadata(
                     torch.arange(t, device=device), torch.zeros(t, 2, dtype=torch.long,
                                                                  device=device),
                     torch.arange(1, t + 1, device=device), block_size)
                 with torch.inference_mode():
-                    self(ids, torch.arange(t, device=device), meta,
-                         torch.arange(t, device=device))
+                    self(ids, positions, meta, torch.arange(t, device=device))
         seconds = time.perf_counter() - start
         log.info("compiled the model's step in %.1f s", seconds)
         return seconds

@@ -155,9 +155,12 @@ class ExecutionOptions:
     cpu_kind: str = "auto"
     tensor_parallel_size: int = 1
     amx: bool = True  # False: oneDNN takes every batch the gemv does not (tests, benchmarks)
-    # True: token-row steps run the model's compiled forward
-    # (backends/compiled_step.py) where the plan can (``--compile``).
-    compile: bool = False
+    # Token-row steps run the model's compiled forward
+    # (backends/compiled_step.py) where the plan can: True (``--compile``),
+    # False (``--enforce-eager``), None: where it is the faster step, the
+    # quantized linears (int8 / int4 / gguf), whose eager layer loop no
+    # whole-step decode replaces (docs/benchmarks.md, "compiled step").
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_kind != "auto" and self.cpu_kind not in CPU_KINDS:
@@ -430,7 +433,8 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     amx_attention = (native and kernels == "avx512_bf16" and cpu.amx_bf16
                      and available.amx_tiles and kv == "bfloat16" and activation == "bfloat16")
     step = "eager"
-    if options.compile and native:
+    compile = quantized if options.compile is None else options.compile
+    if compile and native:
         if available.cpp_compiler:
             step = "compiled"
         else:
@@ -438,7 +442,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
                      + (" (no whole-step decode)" if whole_step else "")
-                     + (" (decode steps eager)" if options.compile else ""))
+                     + (" (decode steps eager)" if step == "compiled" else ""))
         whole_step = 0
         step = "eager"
     return ExecutionPlan(

@@ -70,9 +70,12 @@ def main() -> None:
     ap.add_argument("--no-amx-attention", action="store_true",
                     help="bf16 decode attention scores on VDPBF16PS, not AMX tiles "
                          "(backends/kernels/paged_attention.c)")
-    ap.add_argument("--compile", action="store_true",
+    ap.add_argument("--compile", action="store_true", default=None,
                     help="steps larger than the whole-step native decode's through the "
-                         "compiled step (backends/compiled_step.py), not the eager forward")
+                         "compiled step (backends/compiled_step.py), not the eager forward "
+                         "(default: as the server, compiled with quantized weights)")
+    ap.add_argument("--enforce-eager", dest="compile", action="store_false",
+                    help="the eager forward, quantized weights too")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()

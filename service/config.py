@@ -51,6 +51,12 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def env_choice(name: str) -> bool | None:
+    """A BATON_* variable that may be left unset: None when unset or empty,
+    else as env_flag reads it."""
+    return env_flag(name) if os.environ.get(name, "").strip() else None
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     model: str | None = None          # None: the embedded default
@@ -72,11 +78,11 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget
     prefill_only_step_tokens: int = 2048  # a step without decodes: short prompts up to this
     fast_paths: bool = True              # False: portable torch ops only (backends/execution.py)
-    # True: token-row steps larger than the whole-step decode's run the
-    # model's compiled forward (backends/compiled_step.py); default from
-    # BATON_COMPILE, as the CLI's --compile. Off by default: on the CPUs
-    # measured it was no faster than the eager forward (docs/benchmarks.md).
-    compile: bool = field(default_factory=lambda: env_flag("BATON_COMPILE"))
+    # Token-row steps larger than the whole-step decode's run the model's
+    # compiled forward (backends/compiled_step.py): True, False, or None
+    # (where it is the faster step: quantized linears; backends/execution.py).
+    # Default from BATON_COMPILE (1 / 0; unset: None), as the CLI's --compile.
+    compile: bool | None = field(default_factory=lambda: env_choice("BATON_COMPILE"))
     # True: never compile, whatever ``compile`` says (vLLM's --enforce-eager;
     # BATON_ENFORCE_EAGER).
     enforce_eager: bool = field(default_factory=lambda: env_flag("BATON_ENFORCE_EAGER"))

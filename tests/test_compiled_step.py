@@ -69,6 +69,31 @@ def test_compiled_step_gives_the_eager_tokens_and_logprobs(request, arch, dtype)
     # without one the compiled one-token graph takes them too.
     one = compiled.backend._whole_step is None
     assert compiled.backend._compiled.graphs_built == ({"one", "many"} if one else {"many"})
+    # The graphs the warm-up built are the ones the steps ran: nothing recompiled.
+    assert compiled.backend._compiled.graphs_compiled() == (2 if one else 1)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_weights_compile_by_default(tiny_llama_dir, quantization):
+    """Quantized linears run the compiled step unless told otherwise (it is
+    the faster step there, docs/benchmarks.md), and it computes what the
+    eager forward over the same quantized weights does, with the warm-up's
+    graphs whatever the thread count."""
+    default = make_engine(tiny_llama_dir, quantization=quantization, compile=None)
+    assert default.backend.plan.step == "compiled", default.backend.plan.describe()
+    eager = _engine(tiny_llama_dir, False, quantization=quantization)
+    prompts = _prompts(eager.vocab_size, seed=11, lengths=(5, 33))
+    params = {rid: (GREEDY if i % 2 else SAMPLED) for i, rid in enumerate(prompts)}
+    expected = run_all(eager, prompts, params)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, threads):  # as the thread governor moves it under load
+            torch.set_num_threads(n)
+            _same(run_all(default, prompts, params), expected, 1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    assert default.backend._compiled.graphs_built == {"one", "many"}
+    assert default.backend._compiled.graphs_compiled() == 2  # the warm-up's, reused
 
 
 @pytest.mark.parametrize("scenario", ["chunked_prefill", "preemption"])
@@ -86,6 +111,22 @@ def test_compiled_step_matches_transformers(tiny_llama_dir, scenario):
     if scenario == "preemption":
         assert core.scheduler.num_preemptions_total > 0
     assert_matches_reference(results, _reference(tiny_llama_dir, prompts), scenario)
+
+
+def test_compile_cache_is_baton_s_own_once_dynamo_is_imported(tmp_path, monkeypatch):
+    """Importing Dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's default (a
+    /tmp folder); Baton's cache (BATON_COMPILE_CACHE, else
+    ~/.cache/baton/inductor) still wins over that, and a folder the user named
+    in TORCHINDUCTOR_CACHE_DIR wins over Baton's."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+    from backends.compiled_step import use_compile_cache
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("BATON_COMPILE_CACHE", str(tmp_path / "baton"))
+    assert cache_dir() == default_cache_dir()  # what importing Dynamo does
+    assert use_compile_cache() == tmp_path / "baton"
+    assert cache_dir() == str(tmp_path / "baton")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache() == tmp_path / "mine"
 
 
 def test_compile_cache_is_written_and_reused(tiny_llama_dir, compile_cache):
@@ -115,6 +156,13 @@ def test_plan_compiles_only_where_it_can(new_arch_dirs):
     assert "decode steps compiled" in make_plan("cpu", "bfloat16", "none", AMX, ALL,
                                                 on).describe()
     assert make_plan("cpu", "bfloat16", "none", AMX, ALL).step == "eager"
+    # By default: compiled for quantized linears only, unless told not to.
+    for quantization in ("int8", "int4", "gguf"):
+        assert make_plan("cpu", "bfloat16", quantization, AMX, ALL).step == "compiled"
+        assert make_plan("cpu", "float32", quantization, AMX, ALL,
+                         ExecutionOptions(cpu_kind="avx2")).step == "eager"  # no avx2 kernels in ALL
+        assert make_plan("cpu", "bfloat16", quantization, AMX, ALL,
+                         ExecutionOptions(compile=False)).step == "eager"
     no_cxx = make_plan("cpu", "bfloat16", "none", AMX,
                        Availability(native_kernels=ALL.native_kernels,
                                     onednn_dtypes=ALL.onednn_dtypes), on)
@@ -129,20 +177,26 @@ def test_plan_compiles_only_where_it_can(new_arch_dirs):
 
 
 def test_compile_and_enforce_eager_flags_and_variables(monkeypatch, tiny_llama_dir):
-    """--compile (BATON_COMPILE) asks for the compiled step; --enforce-eager
-    (BATON_ENFORCE_EAGER) overrides it; the default is eager."""
+    """--compile (BATON_COMPILE=1) asks for the compiled step, BATON_COMPILE=0
+    refuses it; --enforce-eager (BATON_ENFORCE_EAGER) overrides both; the
+    default (None) leaves it to the plan: eager for this bf16 model."""
     from service.cli import build_parser, engine_args_from
     monkeypatch.delenv("BATON_ENFORCE_EAGER", raising=False)
     monkeypatch.delenv("BATON_COMPILE", raising=False)
 
     def args(*argv):
         return engine_args_from(build_parser().parse_args(["serve", *argv]))
-    assert (args().compile, args().enforce_eager) == (False, False)
+    assert (args().compile, args().enforce_eager) == (None, False)
     assert args("--compile").compile and args("--enforce-eager").enforce_eager
     monkeypatch.setenv("BATON_COMPILE", "1")
     assert args().compile
+    monkeypatch.setenv("BATON_COMPILE", "0")
+    assert args().compile is False and args("--compile").compile
+    monkeypatch.setenv("BATON_COMPILE", "1")
     monkeypatch.setenv("BATON_ENFORCE_EAGER", "1")
     assert args().enforce_eager
     assert make_engine(tiny_llama_dir, compile=True, enforce_eager=True).backend.plan.step \
         == "eager"
-    assert make_engine(tiny_llama_dir).backend.plan.step == "eager"
+    assert make_engine(tiny_llama_dir, compile=None).backend.plan.step == "eager"
+    assert make_engine(tiny_llama_dir, quantization="int8", compile=None,
+                       enforce_eager=True).backend.plan.step == "eager"
