@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.config import LoadedModel  # noqa: E402
 from backends.device import resolve_dtype  # noqa: E402
+from backends.execution import ExecutionOptions  # noqa: E402
 from backends.interface import SamplingParams, ScheduledRequest  # noqa: E402
 from backends.loader import load_model, resolve_model_path  # noqa: E402
 from backends.quantization import (GROUP_SIZES, QuantizationError,  # noqa: E402
@@ -139,8 +140,11 @@ def variants(modes: list[str], group_sizes: list[int] | None, dtype: str,
 
 
 def build_backend(sources: Sources, variant: Variant, num_kv_blocks: int) -> TorchBackend:
+    # The model's forward is called directly (next_token_logprobs): no
+    # compiled step to build, quantized or not.
     return create_backend(sources.loaded_for(variant.spec), BackendConfig(
-        dtype=variant.dtype, num_kv_blocks=num_kv_blocks, seed=0, quantization=variant.spec))
+        dtype=variant.dtype, num_kv_blocks=num_kv_blocks, seed=0, quantization=variant.spec,
+        execution=ExecutionOptions(compile=False)))
 
 
 # ----------------------------------------------------------------- quality
