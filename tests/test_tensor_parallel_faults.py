@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from backends.parallel.config import ParallelConfig
-from tests.engine_helpers import make_engine
+from backends.interface import SamplingParams
+from tests.engine_helpers import make_engine, run_all
 from tests.server_helpers import running_server
 
 # Slow (tensor-parallel ranks in processes, killed and stopped): the full suite runs these,
@@ -127,3 +128,23 @@ def test_a_worker_that_dies_while_the_engine_idles_fails_the_group():
         time.sleep(0.05)
     assert group.fatal_error == (f"tensor-parallel worker rank 1 (pid {worker.pid}) "
                                  f"exited with code -9"), group.fatal_error
+
+
+def test_closing_the_group_leaves_no_thread_of_it_running(tiny_llama_dir):
+    """Shutting a tensor-parallel engine down joins the group's watch and
+    heartbeat threads. One that outlived it could be the last holder of the
+    process groups when the interpreter exits: their destructor then released
+    the GIL mid-finalization and the process aborted ("terminate called
+    without an active exception", exit 134, after every test had passed)."""
+    import threading
+    sharded = make_engine(tiny_llama_dir, block_size=4, num_kv_blocks=64,
+                          parallel=ParallelConfig(tensor_parallel_size=2, pin_cpus=False))
+    threads = torch.get_num_threads()
+    try:
+        assert any(t.name.startswith("baton-tp-") for t in threading.enumerate())
+        run_all(sharded, {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12]},
+                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    finally:
+        sharded.backend.shutdown()
+        torch.set_num_threads(threads)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("baton-tp-")] == []

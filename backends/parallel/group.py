@@ -81,8 +81,9 @@ class TensorParallelGroup:
         self.compute = compute
         self.fatal_error: str | None = None
         self._closing = False
+        self._stop = threading.Event()  # set by close(): the threads below wake and end
+        self._threads: list[threading.Thread] = []  # joined by close()
         self._workers: list = []
-        self._watch: threading.Thread | None = None
         self._store_at: tuple[str, int] | None = None  # the rendezvous store's address
 
     # ---------------------------------------------------------------- set-up
@@ -173,8 +174,12 @@ class TensorParallelGroup:
                         self.fail(f"tensor-parallel worker {process.name} (pid "
                                   f"{process.pid}) exited with code {process.exitcode}")
 
-        self._watch = threading.Thread(target=watch, name="baton-tp-watch", daemon=True)
-        self._watch.start()
+        self._start_thread(watch, "baton-tp-watch")
+
+    def _start_thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def _store_client(self):
         addr, port = self._store_at
@@ -190,12 +195,12 @@ class TensorParallelGroup:
                 store = self._store_client()
                 while not self._closing:
                     store.add(f"baton/heartbeat/{self.rank}", 1)
-                    time.sleep(interval)
+                    self._stop.wait(interval)
             except Exception:  # noqa: BLE001 - rank 0 has gone; its death is seen elsewhere
                 log.debug("tensor-parallel rank %d stops its heartbeat", self.rank,
                           exc_info=True)
 
-        threading.Thread(target=beat, name="baton-tp-heartbeat", daemon=True).start()
+        self._start_thread(beat, "baton-tp-heartbeat")
 
     def _watch_heartbeats(self) -> None:
         """Rank 0: fail the group when a rank's heartbeat has not moved for
@@ -225,9 +230,9 @@ class TensorParallelGroup:
                                   f"{now - since:.0f} s (no heartbeat; it hangs or was "
                                   f"stopped)")
                         return
-                time.sleep(interval)
+                self._stop.wait(interval)
 
-        threading.Thread(target=watch, name="baton-tp-heartbeats", daemon=True).start()
+        self._start_thread(watch, "baton-tp-heartbeats")
 
     # ------------------------------------------------------------ the steps
     def broadcast_step(self, rows, spans: list[tuple[int, int]]) -> None:
@@ -281,6 +286,7 @@ class TensorParallelGroup:
             except TensorParallelError:
                 pass
         self._closing = True
+        self._stop.set()
         deadline = time.monotonic() + join_timeout
         for process in self._workers:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -289,6 +295,12 @@ class TensorParallelGroup:
                             process.name)
                 process.terminate()
                 process.join(2.0)
+        # No thread of the group outlives it: one that did could be the last
+        # holder of the process groups at interpreter exit, whose destructor
+        # releases the GIL mid-finalization and aborts the process.
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()) + 2.0)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
