@@ -159,7 +159,7 @@ class ExecutionOptions:
     # (backends/compiled_step.py) where the plan can: True (``--compile``),
     # False (``--enforce-eager``), None: where it is the faster step, the
     # quantized linears (int8 / int4 / gguf), whose eager layer loop no
-    # whole-step decode replaces (docs/benchmarks.md, "compiled step").
+    # whole-step decode replaces (docs/benchmarks.md, the gguf table).
     compile: bool | None = None
 
     def __post_init__(self) -> None:

@@ -199,7 +199,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "through the model's forward compiled by torch.compile (BATON_COMPILE=1; =0: "
           "never). Default: compiled with quantized weights (int8 / int4 / gguf), where it "
           "is the faster step, eager otherwise (in bf16 / float32 the whole-step decode and "
-          "the eager forward are faster); the first start compiles for about a minute, "
+          "the eager forward are faster); the first start compiles for half a minute, "
           "later ones reuse the cache", action="store_true", env_name="BATON_COMPILE")
     _flag(parser, "--enforce-eager", False, "never compile, even with --compile, "
           "BATON_COMPILE=1 or quantized weights (vLLM's flag; BATON_ENFORCE_EAGER=1)",
