@@ -222,6 +222,28 @@ def test_gguf_mode_module_kinds_and_memory(tiny_gguf):
     assert resident_weight_bytes(core.backend.model) < resident_weight_bytes(none.backend.model)
 
 
+@pytest.mark.slow
+def test_gguf_mode_runs_the_compiled_step_as_the_eager_one(tiny_gguf, tmp_path, monkeypatch):
+    """A gguf load compiles its step by default (int4 groups, Q8_0 blocks
+    expanded per call and dense projections in one graph), and that step
+    gives the eager forward's greedy and seeded tokens and logprobs, with
+    the warm-up's two graphs only."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    compiled = make_engine(tiny_gguf, num_kv_blocks=32, quantization="gguf", compile=None)
+    eager = make_engine(tiny_gguf, num_kv_blocks=32, quantization="gguf")
+    assert (compiled.backend.plan.step, eager.backend.plan.step) == ("compiled", "eager")
+    gen = torch.Generator().manual_seed(3)
+    prompts = {f"p{i}": torch.randint(3, eager.vocab_size, (n,), generator=gen).tolist()
+               for i, n in enumerate((4, 29))}
+    params = {rid: _params(i) for i, rid in enumerate(prompts)}
+    got, expected = run_all(compiled, prompts, params), run_all(eager, prompts, params)
+    for rid in prompts:
+        assert got[rid].token_ids == expected[rid].token_ids, rid
+        for a, b in zip(got[rid].logprobs or [], expected[rid].logprobs or []):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-5, (rid, a, b)
+    assert compiled.backend._compiled.graphs_compiled() == 2
+
+
 # --------------------------------------------------------------- the engine
 MAX_NEW = 10
 MODES = {"int8": dict(quantization="int8"),
