@@ -58,17 +58,13 @@ def warm_up(core: EngineCore) -> WarmupReport:
         for i in range(batch):
             core.add_request(f"warmup-{batch}-{i}", prompt[:len(prompt) - i], params)
             requests += 1
-        while core.has_work():  # until finished requests are released in the backend too
-            core.step()
-            steps += 1
+        steps += _drain(core)
     if core.grammar is not None:
         core.add_request("warmup-constrained", prompt,
                          SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0,
                                         structured=CONSTRAINT))
         requests += 1
-        while core.has_work():
-            core.step()
-            steps += 1
+        steps += _drain(core)
     spec = core.speculator
     if spec is not None and spec.config.method == "draft_model":
         # A draft model's cost (its proposal round over a target step) is
@@ -83,9 +79,7 @@ def warm_up(core: EngineCore) -> WarmupReport:
             core.add_request(f"warmup-draft-{requests}", prompt, SamplingParams(
                 max_tokens=CALIBRATION_TOKENS, temperature=0.0, ignore_eos=True))
             requests += 1
-            while core.has_work():
-                core.step()
-                steps += 1
+            steps += _drain(core)
         if spec.budget.draft_cost is None:
             log.warning("warm-up: the draft model's cost is not measured yet; the first "
                         "requests probe it")
@@ -100,6 +94,16 @@ def warm_up(core: EngineCore) -> WarmupReport:
     log.info("warm-up: %d requests, %d engine steps, %.2fs", report.requests, report.steps,
              report.seconds)
     return report
+
+
+def _drain(core: EngineCore) -> int:
+    """Step until the engine has no work (finished requests released in the
+    backend too); returns the steps taken."""
+    steps = 0
+    while core.has_work():
+        core.step()
+        steps += 1
+    return steps
 
 
 def _prompt(core: EngineCore) -> list[int]:
