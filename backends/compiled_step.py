@@ -119,7 +119,14 @@ class CompiledStep:
             # (the governor's, backends/cpu_threads.py), not the compile's.
             "cpp.dynamic_threads": True,
             "size_asserts": False, "alignment_asserts": False,
-            "cpp_wrapper": os.environ.get("BATON_CPP_WRAPPER", "0") == "1",
+            # The graph's wrapper in C++: no Python frame per operator. Each
+            # such frame can cost an mmap, a munmap and a TLB shootdown
+            # (CPython 3.11 unmaps a 16 KiB frame chunk as soon as its first
+            # frame returns), and does where a step's frames end near a
+            # chunk's end: 24 ms for a 135M step of 14. Alternating pairs,
+            # AMX Xeon: 0.91-0.99x the Python wrapper's step, a first
+            # compile about twice as long (docs/benchmarks.md).
+            "cpp_wrapper": True,
         }
         self._fn = torch.compile(forward, fullgraph=True, dynamic=False, options=options)
         self.graphs_built: set[str] = set()

@@ -113,6 +113,39 @@ def test_compiled_step_matches_transformers(tiny_llama_dir, scenario):
     assert_matches_reference(results, _reference(tiny_llama_dir, prompts), scenario)
 
 
+def test_compiled_step_calls_no_operator_through_python(tiny_llama_dir):
+    """The compiled step's wrapper is C++ (Inductor's ``cpp_wrapper``): its
+    operators (Baton's linears, attention, norms) are called without a Python
+    frame each. CPython 3.11 puts frames on 16 KiB chunks and unmaps a chunk
+    as soon as its first frame returns; where a step's frames sit at a chunk's
+    end, a Python frame per operator is an mmap, a munmap and a TLB shootdown
+    per operator (a 135M model's step of one token: 24 ms instead of 14)."""
+    import sys
+    core = _engine(tiny_llama_dir, True)
+    compiled = core.backend._compiled
+    run_all(core, _prompts(core.vocab_size, seed=2, lengths=(9,)), GREEDY)  # warm
+    frames: list[str] = []
+    steps = []
+    real = compiled._fn
+
+    def counted(*args):
+        steps.append(args[0].shape[0])
+        sys.setprofile(lambda frame, event, _arg: frames.append(frame.f_code.co_filename)
+                       if event == "call" else None)
+        try:
+            return real(*args)
+        finally:
+            sys.setprofile(None)
+    compiled._fn = counted
+    prompts = _prompts(core.vocab_size, seed=3, lengths=(20,))  # a prefill, then one-token steps
+    _same(run_all(core, prompts, GREEDY), run_all(_engine(tiny_llama_dir, False), prompts,
+                                                  GREEDY), 1e-5)
+    assert len(steps) >= MAX_NEW and 1 in steps and max(steps) > 1  # both graphs ran
+    operators = [f for f in frames if f.endswith(("torch/_ops.py", "backends/ops.py",
+                                                  "backends/linear.py"))]
+    assert not operators, f"{len(operators)} Python frames of operators in {len(steps)} steps"
+
+
 def test_compile_cache_is_baton_s_own_once_dynamo_is_imported(tmp_path, monkeypatch):
     """Importing Dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's default (a
     /tmp folder); Baton's cache (BATON_COMPILE_CACHE, else
