@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", default=None,
                     help="steps larger than the whole-step native decode's through the "
                          "compiled step (backends/compiled_step.py), not the eager forward "
-                         "(default: as the server, compiled with quantized weights)")
+                         "(default: as the server, compiled wherever the plan can)")
     ap.add_argument("--enforce-eager", dest="compile", action="store_false",
                     help="the eager forward, quantized weights too")
     ap.add_argument("--no-fast-paths", action="store_true",

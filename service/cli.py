@@ -196,13 +196,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "\"prompt_lookup_max\": 5}' or '{\"method\": \"draft_model\", \"model\": "
           "PATH, \"num_speculative_tokens\": 4}' (docs/serving.md)", convert=_speculative)
     _flag(parser, "--compile", None, "run steps larger than the whole-step decode's "
-          "through the model's forward compiled by torch.compile (BATON_COMPILE=1; =0: "
-          "never). Default: compiled with quantized weights (int8 / int4 / gguf), where it "
-          "is the faster step, eager otherwise (in bf16 / float32 the whole-step decode and "
-          "the eager forward are faster); the first start compiles for half a minute, "
-          "later ones reuse the cache", action="store_true", env_name="BATON_COMPILE")
-    _flag(parser, "--enforce-eager", False, "never compile, even with --compile, "
-          "BATON_COMPILE=1 or quantized weights (vLLM's flag; BATON_ENFORCE_EAGER=1)",
+          "through the model's forward compiled by torch.compile: the default wherever "
+          "the plan can (native kernels and a C++ compiler); the flag overrides "
+          "BATON_COMPILE=0. The first start of a model compiles (about a minute on two "
+          "cores), later ones reuse the cache", action="store_true", env_name="BATON_COMPILE")
+    _flag(parser, "--enforce-eager", False, "never compile, even with --compile or "
+          "BATON_COMPILE=1: a start in seconds, slower steps (docs/serving.md; vLLM's flag; "
+          "BATON_ENFORCE_EAGER=1)",
           action="store_true", env_name="BATON_ENFORCE_EAGER")
     _flag(parser, "--generation-config", "auto", "sampling defaults: auto (the model's "
           "generation_config.json), vllm (none: the request's values, else OpenAI's), or "

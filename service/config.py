@@ -79,8 +79,8 @@ class EngineArgs:
     prefill_only_step_tokens: int = 2048  # a step without decodes: short prompts up to this
     fast_paths: bool = True              # False: portable torch ops only (backends/execution.py)
     # Token-row steps larger than the whole-step decode's run the model's
-    # compiled forward (backends/compiled_step.py): True, False, or None
-    # (where it is the faster step: quantized linears; backends/execution.py).
+    # compiled forward (backends/compiled_step.py): True or None (the
+    # default: wherever the plan can), False (eager; backends/execution.py).
     # Default from BATON_COMPILE (1 / 0; unset: None), as the CLI's --compile.
     compile: bool | None = field(default_factory=lambda: env_choice("BATON_COMPILE"))
     # True: never compile, whatever ``compile`` says (vLLM's --enforce-eager;

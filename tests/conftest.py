@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-# Engines and servers the tests build run their steps eagerly, quantized ones
-# too (whose default is the compiled step), unless a test asks for the
-# compiled step (compile=True or None): compiling costs seconds per engine.
+# Engines and servers the tests build run their steps eagerly (the default is
+# the compiled step), unless a test asks for the compiled step (compile=True
+# or None): compiling costs seconds per engine. Backends built from an
+# ExecutionOptions of their own pass compile=False for the same reason.
 # tests/test_compiled_step.py covers the compiled step and that default.
 os.environ["BATON_COMPILE"] = "0"
 

@@ -257,7 +257,7 @@ def _backend(path, amx: bool):
     loaded = load_model(path, dtype=torch.bfloat16)
     return create_backend(loaded, BackendConfig(
         dtype="bfloat16", block_size=4, num_kv_blocks=80,
-        execution=ExecutionOptions(amx=amx)))
+        execution=ExecutionOptions(amx=amx, compile=False)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -188,8 +188,11 @@ def test_plan_compiles_only_where_it_can(new_arch_dirs):
     assert make_plan("cpu", "bfloat16", "none", AMX, ALL, on).step == "compiled"
     assert "decode steps compiled" in make_plan("cpu", "bfloat16", "none", AMX, ALL,
                                                 on).describe()
-    assert make_plan("cpu", "bfloat16", "none", AMX, ALL).step == "eager"
-    # By default: compiled for quantized linears only, unless told not to.
+    # By default: compiled wherever the plan can, unless told not to.
+    assert make_plan("cpu", "bfloat16", "none", AMX, ALL).step == "compiled"
+    assert make_plan("cpu", "float32", "none", AMX, ALL).step == "compiled"
+    assert make_plan("cpu", "bfloat16", "none", AMX, ALL,
+                     ExecutionOptions(compile=False)).step == "eager"
     for quantization in ("int8", "int4", "gguf"):
         assert make_plan("cpu", "bfloat16", quantization, AMX, ALL).step == "compiled"
         assert make_plan("cpu", "float32", quantization, AMX, ALL,
@@ -212,7 +215,7 @@ def test_plan_compiles_only_where_it_can(new_arch_dirs):
 def test_compile_and_enforce_eager_flags_and_variables(monkeypatch, tiny_llama_dir):
     """--compile (BATON_COMPILE=1) asks for the compiled step, BATON_COMPILE=0
     refuses it; --enforce-eager (BATON_ENFORCE_EAGER) overrides both; the
-    default (None) leaves it to the plan: eager for this bf16 model."""
+    default (None) leaves it to the plan: compiled for this model."""
     from service.cli import build_parser, engine_args_from
     monkeypatch.delenv("BATON_ENFORCE_EAGER", raising=False)
     monkeypatch.delenv("BATON_COMPILE", raising=False)
@@ -230,6 +233,7 @@ def test_compile_and_enforce_eager_flags_and_variables(monkeypatch, tiny_llama_d
     assert args().enforce_eager
     assert make_engine(tiny_llama_dir, compile=True, enforce_eager=True).backend.plan.step \
         == "eager"
-    assert make_engine(tiny_llama_dir, compile=None).backend.plan.step == "eager"
+    assert make_engine(tiny_llama_dir, compile=None,
+                       enforce_eager=False).backend.plan.step == "compiled"
     assert make_engine(tiny_llama_dir, quantization="int8", compile=None,
                        enforce_eager=True).backend.plan.step == "eager"

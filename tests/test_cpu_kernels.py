@@ -601,7 +601,8 @@ def _backend(path, dtype: str, fast_paths: bool = True, cpu_kind: str = "auto",
     loaded = load_model(path, dtype=getattr(torch, dtype))
     return create_backend(loaded, BackendConfig(
         dtype=dtype, block_size=4, num_kv_blocks=num_kv_blocks,
-        execution=ExecutionOptions(fast_paths=fast_paths, cpu_kind=cpu_kind)))
+        # eager, as every test engine (tests/conftest.py): compiling costs seconds
+        execution=ExecutionOptions(fast_paths=fast_paths, cpu_kind=cpu_kind, compile=False)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -875,7 +876,8 @@ def test_plan_of_this_machine_is_logged_in_one_line(tiny_llama_dir, caplog):
         backend = _backend(tiny_llama_dir, "float32")
     lines = [r.getMessage() for r in caplog.records if "execution plan" in r.getMessage()]
     assert lines == [f"execution plan: {backend.plan.describe()}"]
-    assert backend.plan == plan_for(BackendConfig(dtype="float32"))
+    assert backend.plan == plan_for(BackendConfig(dtype="float32",
+                                                  execution=ExecutionOptions(compile=False)))
 
 
 def test_every_kernel_source_ships_in_the_package():
