@@ -75,7 +75,7 @@ def main() -> None:
                          "compiled step (backends/compiled_step.py), not the eager forward "
                          "(default: as the server, compiled wherever the plan can)")
     ap.add_argument("--enforce-eager", dest="compile", action="store_false",
-                    help="the eager forward, quantized weights too")
+                    help="the eager forward (as --enforce-eager)")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()
