@@ -156,11 +156,11 @@ class ExecutionOptions:
     tensor_parallel_size: int = 1
     amx: bool = True  # False: oneDNN takes every batch the gemv does not (tests, benchmarks)
     # Token-row steps run the model's compiled forward
-    # (backends/compiled_step.py) where the plan can: True or None (the
-    # default: it is the faster step on every CPU kind, dtype and
-    # quantization measured, docs/benchmarks.md), False (``--enforce-eager``,
-    # ``BATON_COMPILE=0``: a start without the compile).
-    compile: bool | None = None
+    # (backends/compiled_step.py) where the plan can: the default, the faster
+    # step on every CPU kind, dtype and quantization measured
+    # (docs/benchmarks.md); False (``--enforce-eager``, ``BATON_COMPILE=0``):
+    # a start without the compile.
+    compile: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_kind != "auto" and self.cpu_kind not in CPU_KINDS:
@@ -433,7 +433,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     amx_attention = (native and kernels == "avx512_bf16" and cpu.amx_bf16
                      and available.amx_tiles and kv == "bfloat16" and activation == "bfloat16")
     step = "eager"
-    if options.compile is not False and native:
+    if options.compile and native:
         if available.cpp_compiler:
             step = "compiled"
         else:

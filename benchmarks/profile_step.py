@@ -103,7 +103,7 @@ def main() -> None:
         threads=args.threads, quantization=QuantizationSpec(args.quantization),
         execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
                                    cpu_kind=args.cpu_kind, amx=not args.no_amx,
-                                   compile=args.compile)))
+                                   compile=args.compile is not False)))
     if args.no_cascade:
         import dataclasses
         backend.plan = dataclasses.replace(backend.plan, shared_prefix_decode="none")

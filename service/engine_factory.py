@@ -105,7 +105,7 @@ def load_backend(args: EngineArgs, parallel=None, device: str | None = None,
             threads=args.threads, gpu_memory_utilization=args.gpu_memory_utilization,
             execution=ExecutionOptions(
                 fast_paths=args.fast_paths, cpu_kind=args.cpu_kind,
-                compile=False if args.enforce_eager else args.compile,
+                compile=args.compile is not False and not args.enforce_eager,
                 tensor_parallel_size=args.parallel.tensor_parallel_size)),
             parallel=parallel)
     loaded.weights.clear()
