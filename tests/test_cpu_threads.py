@@ -113,3 +113,37 @@ def test_hypervisor_steal_is_not_another_process(tmp_path, monkeypatch):
         assert gov.threads == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_compile_s_workers_are_not_other_processes(tiny_llama_dir, monkeypatch):
+    """Compiling the step at start-up runs the C++ compiler in worker
+    processes for tens of seconds. Their CPU time is the engine's own work,
+    not another process's load: the first steps after it keep every thread
+    (they ran on one for the governor's first samples, ~1.7x slower, when it
+    counted them)."""
+    import time
+
+    import backends.cpu_threads as ct
+    from backends.compiled_step import CompiledStep
+    from tests.engine_helpers import make_engine
+
+    if ct.DEFAULT_THREADS < 2:
+        pytest.skip("one thread: there is no thread to lose")
+    busy = {"seconds": 1000.0}
+    monkeypatch.setattr(ct, "machine_busy_seconds", lambda steal=True: busy["seconds"])
+
+    def warm_up(self, block_size, device, progress=True, one_token=True):
+        # the compiler's workers keep both cores busy for the compile's time
+        time.sleep(1.2)
+        busy["seconds"] += 2 * 1.2
+        return 1.2
+
+    monkeypatch.setattr(CompiledStep, "warm_up", warm_up)
+    before = torch.get_num_threads()
+    try:
+        core = make_engine(tiny_llama_dir, compile=True)
+        governor = core.backend._governor
+        assert core.backend.compile_seconds == 1.2
+        assert governor.before_step() == governor.max_threads == ct.DEFAULT_THREADS
+    finally:
+        torch.set_num_threads(before)
