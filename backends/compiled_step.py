@@ -6,10 +6,17 @@ to its own context through the KV blocks, as a decode does
 speculative verification row's tokens or of a prefill chunk's. That step is
 traced once
 by Dynamo from the one model definition (backends/models/decoder.py) and
-compiled by Inductor: its elementwise work (norms, rotary, residuals,
-activation) becomes generated C++ loops, and the native operators it calls
-(the paged decode attention, the bf16 linears: ``torch.ops.baton``) stay
-opaque calls. Nothing in the traced region is a Python int of the step: the
+compiled by Inductor, with the implementation of each step the execution
+plan chose: the native operators (``torch.ops.baton``: the paged decode
+attention, the bf16 linears, and where the plan says native, the fused norm,
+rotary + KV store and activation kernels) stay opaque calls from the
+generated C++ wrapper; what the plan leaves to torch ops (the embedding,
+int4 / int8 linears, and every elementwise step where no native kernel is
+planned) becomes generated C++ loops. (Tracing the torch reference of the
+norms, rotary and activation instead, for Inductor to fuse, measured level
+with the native kernels: one row and 64 rows on the AMX Xeon, 32 rows capped
+to AVX2, 2026-12-06; and the first compile took 1.7x as long.) Nothing in
+the traced region is a Python int of the step: the
 token count and the block tables' width are dynamic dimensions, so two
 graphs serve every step (one token, which Dynamo specialises, and more).
 
