@@ -27,7 +27,6 @@
 #define baton_qkv_rope_store_bf16 BATON_FN(baton_qkv_rope_store_bf16)
 #define baton_paged_decode_attention_f32 BATON_FN(baton_paged_decode_attention_f32)
 #define baton_paged_decode_attention_bf16 BATON_FN(baton_paged_decode_attention_bf16)
-#define baton_attention_task BATON_FN(baton_attention_task)
 #define baton_paged_decode_attention_qb BATON_FN(baton_paged_decode_attention_qb)
 #define baton_gemv_bf16 BATON_FN(baton_gemv_bf16)
 #define baton_gemv_tiles BATON_FN(baton_gemv_tiles)
@@ -340,19 +339,12 @@ void baton_qkv_rope_store_row(const float *row, int64_t H, int64_t KVH, int64_t 
 /* ------------------------------------------------------------ attention */
 /* Decode attention of query row t over its first ctx_lens[t] positions, for
  * query heads h0..h1-1 (whole kv-head groups); the caches hold float32, or
- * bfloat16 when kv_bf16. scores: H * max_ctx floats, acc: H * D floats, both
- * owned by the calling thread. */
-void baton_attention_task(const float *q, const void *k_cache, const void *v_cache,
-                          int kv_bf16,
-                          const int64_t *block_tables, const int64_t *ctx_lens, float *out,
-                          int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
-                          int64_t D, int64_t max_blocks, int64_t block_size, float scale,
-                          float *scores, float *acc);
-/* The same given also the query in bf16 (qb [T, H, D], exact copies of q's
- * values): with AVX512_BF16 and a bf16 cache the scores are then bf16 dot
- * products (on AMX tiles where baton_attention_amx allows), as
- * baton_paged_decode_attention_bf16 takes them. scores: round_up(H, 16) *
- * round_up(max_ctx, 16) floats. */
+ * bfloat16 when kv_bf16. Given the query in bf16 too (qb [T, H, D], exact
+ * copies of q's values; or NULL), with AVX512_BF16 and a bf16 cache the
+ * scores are bf16 dot products (on AMX tiles where baton_attention_amx
+ * allows), as baton_paged_decode_attention_bf16 takes them. scores: H *
+ * max_ctx floats (with qb, round_up(H, 16) * round_up(max_ctx, 16)), acc:
+ * H * D floats, both owned by the calling thread. */
 void baton_attention_task_qb(const float *q, const uint16_t *qb, const void *k_cache,
                              const void *v_cache, int kv_bf16, const int64_t *block_tables,
                              const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,

@@ -728,8 +728,8 @@ static void attention_task_generic(const float *q, const void *k_cache, const vo
     memcpy(out + (t * H + h0) * D, acc + h0 * D, sizeof(float) * (h1 - h0) * D);
 }
 
-/* baton_attention_task, with the query also in bf16 (qb: exact copies of
- * q's values, or NULL). */
+/* baton_attention_task_qb (kernels.h), qb possibly NULL, with each head's
+ * log-sum-exp into lse when it is not NULL. */
 static void attention_task(const float *q, const uint16_t *qb, const void *k_cache,
                            const void *v_cache, int kv_bf16, const int64_t *block_tables,
                            const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
@@ -758,16 +758,6 @@ static void attention_task(const float *q, const uint16_t *qb, const void *k_cac
     (void)qb;
     attention_task_generic(q, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0,
                            h1, H, KVH, D, max_blocks, block_size, scale, scores, acc, lse_t);
-}
-
-void baton_attention_task(const float *q, const void *k_cache, const void *v_cache,
-                          int kv_bf16,
-                          const int64_t *block_tables, const int64_t *ctx_lens, float *out,
-                          int64_t t, int64_t h0, int64_t h1, int64_t H, int64_t KVH,
-                          int64_t D, int64_t max_blocks, int64_t block_size, float scale,
-                          float *scores, float *acc) {
-    attention_task(q, NULL, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0, h1,
-                   H, KVH, D, max_blocks, block_size, scale, scores, acc, NULL);
 }
 
 void baton_attention_task_qb(const float *q, const uint16_t *qb, const void *k_cache,
