@@ -123,8 +123,9 @@ BATON_AMX_TARGET static void store_tiles(const float *bias, uint16_t *y16, float
     }
 }
 
-/* Feature blocks [g0, g1) for the mp <= 16 rows of xp [mp][kp] (bf16,
- * zero-padded to kp columns; the A and C tiles hold mp rows): C[gi] in tmm(gi), the rows (A) in tmm 4, the weights
+/* Feature blocks [g0, g1) for the rows of xp [mp][kp] (bf16, zero-padded
+ * to kp columns; mp = 16, or mp = M < 16 rows exactly: the A and C tiles
+ * then hold M rows): C[gi] in tmm(gi), the rows (A) in tmm 4, the weights
  * (B) in tmm 6 and 7. A row's sums do not depend on the rows configured
  * beside it. Results into y16 (bf16) or, when y16 is NULL, yf (store_block). */
 BATON_AMX_TARGET static void amx_groups(const uint16_t *xp, int64_t mp, int64_t kp,
@@ -384,8 +385,9 @@ int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
     if (!baton_amx_bf16_ready()) return 3;
     if (M > BATON_AMX_MANY_ROWS) return amx_linear_many(x, w, bias, y, M, N, K, num_threads);
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+    const int64_t mp = baton_round_up(M, 16);
     const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
-    uint16_t *xp = (uint16_t *)aligned_alloc(64, baton_round_up(sizeof(uint16_t) * M * kp, 64));
+    uint16_t *xp = (uint16_t *)aligned_alloc(64, baton_round_up(sizeof(uint16_t) * mp * kp, 64));
     float *bf = (float *)malloc(sizeof(float) * (N + 1));
     if (xp == NULL || bf == NULL) {
         free(xp);
@@ -396,17 +398,17 @@ int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
     #pragma omp parallel num_threads(num_threads)
     {
         const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
-        /* the rows, zero-padded to [M][kp], each thread its share: the
-         * tiles hold the call's M rows (not 16; a one-row decode took 3-8%
-         * longer on 16), and a row's sums do not depend on the rows beside it */
-        for (int64_t m = M * me / nt; m < M * (me + 1) / nt; m++) {
-            memcpy(xp + m * kp, x + m * K, sizeof(uint16_t) * K);
-            memset(xp + m * kp + K, 0, sizeof(uint16_t) * (kp - K));
+        /* the rows, zero-padded to [mp][kp], each thread its share */
+        for (int64_t m = mp * me / nt; m < mp * (me + 1) / nt; m++) {
+            uint16_t *dst = xp + m * kp;
+            const int64_t n = m < M ? K : 0;
+            if (n) memcpy(dst, x + m * K, sizeof(uint16_t) * K);
+            memset(dst + n, 0, sizeof(uint16_t) * (kp - n));
         }
         int64_t g0, g1;
         thread_groups(groups, me, nt, &g0, &g1);
         #pragma omp barrier
-        if (g0 < g1) amx_groups(xp, M, kp, w, bias ? bf : 0, y, 0, M, N, g0, g1);
+        if (g0 < g1) amx_groups(xp, mp, kp, w, bias ? bf : 0, y, 0, M, N, g0, g1);
     }
     free(xp);
     free(bf);
