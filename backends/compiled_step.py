@@ -10,9 +10,9 @@ compiled by Inductor, with the implementation of each step the execution
 plan chose: the native operators (``torch.ops.baton``: the paged decode
 attention, the bf16 linears, and where the plan says native, the fused norm,
 rotary + KV store and activation kernels) stay opaque calls from the
-generated C++ wrapper; what the plan leaves to torch ops (the embedding,
-int4 / int8 linears, and every elementwise step where no native kernel is
-planned) becomes generated C++ loops. (Tracing the torch reference of the
+generated C++ wrapper, as do torch's own matmuls (int4 / int8 weights);
+the rest of what the plan leaves to torch (the embedding, every elementwise
+step where no native kernel is planned) becomes generated C++ loops. (Tracing the torch reference of the
 norms, rotary and activation instead, for Inductor to fuse, measured level
 with the native kernels: one row and 64 rows on the AMX Xeon, 32 rows capped
 to AVX2, 2026-12-06; and the first compile took 1.7x as long.) Nothing in
