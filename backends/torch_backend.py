@@ -28,7 +28,7 @@ from backends.errors import GRAMMAR_ERROR
 from backends.grammar import (BitmaskFiller, GrammarCompiler, GrammarMatcher, settle_kept,
                               settle_tokens)
 from backends.config import LoadedModel, ModelConfig
-from backends.cpu_threads import DEFAULT_THREADS, ThreadGovernor
+from backends.cpu_threads import DEFAULT_THREADS, ThreadGovernor, own_child_work
 from backends.device import DTYPES, cuda_kv_budget, zeros_lazily
 from backends.interface import (SamplingParams, ScheduledRequest, SchedulerOutput,
                                 StepResult, StepTimings, TokenLogprobs)
@@ -224,10 +224,16 @@ class TorchBackend:
             from backends.compiled_step import CompiledStep
             self._compiled = CompiledStep(self.model, self.kv_caches)
 
+        # A fixed thread count, or (None, on CPU) one that follows what other
+        # processes leave free. A tensor-parallel rank keeps the cores and
+        # threads its launcher dealt it (service/tensor_parallel.py).
+        self._governor = None
         if threads is not None:
             if threads < 1:
                 raise ValueError(f"threads must be at least 1, got {threads}")
             torch.set_num_threads(threads)
+        elif self.device.type == "cpu" and parallel is None:
+            self._governor = ThreadGovernor(DEFAULT_THREADS)
 
         self._states: dict[str, _RequestState] = {}
         # Embedding requests' pooled partial sums (backends/pooling.py).
@@ -239,18 +245,12 @@ class TorchBackend:
             self._shared_generator.manual_seed(seed)
         if self._compiled is not None:
             # Steps of one token go to the whole-step decode where there is one.
-            self.compile_seconds = self._compiled.warm_up(
-                block_size, self.device, progress=parallel is None or parallel.rank == 0,
-                one_token=self._whole_step is None)
-        # A fixed thread count, or (None, on CPU) one that follows what other
-        # processes leave free. A tensor-parallel rank keeps the cores and
-        # threads its launcher dealt it (service/tensor_parallel.py). Its
-        # first sample starts after the compile: the compiler's worker
-        # processes are this engine's work, not another process's load (and
-        # counted as such, the first steps ran on one thread).
-        self._governor = None
-        if threads is None and self.device.type == "cpu" and parallel is None:
-            self._governor = ThreadGovernor(DEFAULT_THREADS)
+            # The compiler's workers are this engine's (and the thread
+            # governors' samples start after them).
+            with own_child_work():
+                self.compile_seconds = self._compiled.warm_up(
+                    block_size, self.device, progress=parallel is None or parallel.rank == 0,
+                    one_token=self._whole_step is None)
 
     def _native_decode(self, kind: str | None = None):
         """The whole-step native decode for a few token rows: the linears'

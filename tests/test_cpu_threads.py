@@ -3,6 +3,7 @@ cores, more again only after the machine has stayed quiet."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -145,5 +146,13 @@ def test_the_compile_s_workers_are_not_other_processes(tiny_llama_dir, monkeypat
         governor = core.backend._governor
         assert core.backend.compile_seconds == 1.2
         assert governor.before_step() == governor.max_threads == ct.DEFAULT_THREADS
+        # A draft model's backend compiles after the target's is built: the
+        # target's governor does not count that compile either.
+        spec = json.dumps({"method": "draft_model", "model": str(tiny_llama_dir),
+                           "num_speculative_tokens": 2})
+        core = make_engine(tiny_llama_dir, compile=True, speculative_config=spec)
+        assert core.speculator.proposer.backend.compile_seconds == 1.2
+        for backend in (core.backend, core.speculator.proposer.backend):
+            assert backend._governor.before_step() == ct.DEFAULT_THREADS
     finally:
         torch.set_num_threads(before)
