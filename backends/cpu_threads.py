@@ -15,7 +15,9 @@ core that fewer threads leave free, and a step on one thread is much slower
 (a one-row bf16 decode step of SmolLM2-135M: 21.1 ms against 12.4-13.1 ms on
 two, Xeon model 207), so on a VM whose host is busy it would only lose
 (benchmarks/machine_load.py's load report does count steal, to mark a
-disturbed measurement).
+disturbed measurement). Nor does work this process runs in child processes
+(the compile's C++ compiler workers, ``own_child_work``): the samples start
+afresh after it.
 
 Pure bookkeeping around two clocks: a sample costs tens of microseconds.
 """
