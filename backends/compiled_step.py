@@ -12,10 +12,9 @@ attention, the bf16 linears, and where the plan says native, the fused norm,
 rotary + KV store and activation kernels) stay opaque calls from the
 generated C++ wrapper, as do torch's own matmuls (int4 / int8 weights);
 the rest of what the plan leaves to torch (the embedding, every elementwise
-step where no native kernel is planned) becomes generated C++ loops. (Tracing the torch reference of the
-norms, rotary and activation instead, for Inductor to fuse, measured level
-with the native kernels: one row and 64 rows on the AMX Xeon, 32 rows capped
-to AVX2, 2026-12-06; and the first compile took 1.7x as long.) Nothing in
+step where no native kernel is planned) becomes generated C++ loops.
+(Tracing torch's norms, rotary and activation for Inductor to fuse instead
+measured level and compiled 1.7x as long: docs/benchmarks.md.) Nothing in
 the traced region is a Python int of the step: the
 token count and the block tables' width are dynamic dimensions, so two
 graphs serve every step (one token, which Dynamo specialises, and more).
