@@ -65,20 +65,23 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype,
     costs no start-up time (torch.zeros writes every byte: about a second per
     GiB on a 2-core VM) and no resident memory until blocks are used. The
     mapping is private (Python's default, a shared one, faults in through
-    shmem: ~150 ms per 256 MiB touched against ~109 ms) and asks for
-    transparent huge pages where the kernel offers them (~52 ms; and fewer
-    TLB misses for reads of scattered blocks: a C read of 6 KB chunks at
-    random places ran 4-5% faster from 2 MiB pages), so the pool becomes
-    resident 2 MiB at a time. The tensor holds the mapping alive."""
+    shmem: ~150 ms per 256 MiB touched against ~109 ms) and in 4 KiB pages,
+    whatever the kernel's transparent huge page mode: on a VM with free page
+    reporting (virtio-balloon) a first touch of 2 MiB pages ran at 0.23-0.26
+    GB/s against 5 GB/s for 4 KiB pages (the host backs each reported block
+    again), so a served 512-token prefill step took twice as long while it
+    wrote new blocks. Huge pages read scattered blocks 4-5% faster at 2,048
+    positions once resident: not worth seconds of stalls (docs/benchmarks.md).
+    The tensor holds the mapping alive."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
         try:
-            memory.madvise(mmap.MADV_HUGEPAGE)
+            memory.madvise(mmap.MADV_NOHUGEPAGE)
         except OSError:  # a kernel without transparent huge pages
             pass
     return torch.frombuffer(memory, dtype=dtype).view(shape)
