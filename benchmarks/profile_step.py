@@ -70,12 +70,10 @@ def main() -> None:
     ap.add_argument("--no-amx-attention", action="store_true",
                     help="bf16 decode attention scores on VDPBF16PS, not AMX tiles "
                          "(backends/kernels/paged_attention.c)")
-    ap.add_argument("--compile", action="store_true", default=None,
-                    help="steps larger than the whole-step native decode's through the "
-                         "compiled step (backends/compiled_step.py), not the eager forward "
-                         "(default: as the server, compiled wherever the plan can)")
     ap.add_argument("--enforce-eager", dest="compile", action="store_false",
-                    help="the eager forward (as --enforce-eager)")
+                    help="the eager forward for steps larger than the whole-step native "
+                         "decode's (as the server's --enforce-eager; by default, as the "
+                         "server, they run the compiled step wherever the plan can)")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()
@@ -103,7 +101,7 @@ def main() -> None:
         threads=args.threads, quantization=QuantizationSpec(args.quantization),
         execution=ExecutionOptions(fast_paths=not args.no_fast_paths,
                                    cpu_kind=args.cpu_kind, amx=not args.no_amx,
-                                   compile=args.compile is not False)))
+                                   compile=args.compile)))
     if args.no_cascade:
         import dataclasses
         backend.plan = dataclasses.replace(backend.plan, shared_prefix_decode="none")
