@@ -2,8 +2,9 @@
 
 Times `baton::paged_decode_attention` (each CPU kind this CPU runs, each its
 own build) and the library path it replaces (gather + torch SDPA, what
-backends/attention.py runs without a kernel) on SmolLM2-135M's attention
-shape (9 query heads, 3 kv heads, head_dim 64, blocks of --block-sizes
+backends/attention.py runs without a kernel) on an attention shape
+(--shape: SmolLM2-135M's 9 query heads, 3 kv heads and head_dim 64 by
+default; 360m and 1.7b the benchmark models' shapes; blocks of --block-sizes
 positions, 16 by default, the server's default) over a
 realistic pool: block tables scattered at random over a pool larger than
 the touched blocks, and enough distinct layer pools in turn that the KV a
@@ -12,13 +13,15 @@ in a decode step where 30 layers and the weights pass between two reads of
 one layer's pool.
 
     .venv/bin/python benchmarks/attention_bw.py [--cases 32x200,32x1100,4x500,1x2000]
+        [--shape 135m|360m|1.7b]
         [--kv bfloat16,float32] [--kinds portable,avx2,avx512,avx512_bf16,sdpa]
         [--block-sizes 16,32,64,128]   # each case at each block size, in turn
         [--pools slot-major,kvh-major]  # the pool's layout (kvh-major: one call per kv head)
         [--repo PATH]   # import backends from another checkout (the baseline)
 
 GB/s counts the K and V bytes of each row's first ctx positions once (what
-any decode attention must read); ms is per call (one layer), x30 per step.
+any decode attention must read); ms is per call (one layer): a step takes
+it once per layer (30 in the 135M model, 32 in the 360M, 24 in the 1.7B).
 The query is bf16 where the engine runs bf16 activations (a bf16 cache on the
 avx512_bf16 kind, and SDPA beside it), float32 otherwise.
 """
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+SHAPES = {"135m": (9, 3, 64), "360m": (15, 5, 64), "1.7b": (32, 32, 64)}
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
 ap.add_argument("--cases", default="32x200,32x1100,4x500,1x2000")
@@ -49,14 +53,18 @@ ap.add_argument("--pools", default="slot-major",
                 help="slot-major (the engine's [slots, kv heads, head_dim]), kvh-major "
                      "(each block's kv heads apart, [blocks, kv heads, block, head_dim]: "
                      "one kv head's block one contiguous run), or both in turn")
+ap.add_argument("--shape", default="135m", choices=sorted(SHAPES),
+                help="the attention shape: query heads, kv heads, head_dim of SmolLM2-135M "
+                     "(9, 3, 64), -360M (15, 5, 64) or -1.7B (32, 32, 64)")
 args = ap.parse_args()
+args.heads, args.kv_heads, args.head_dim = SHAPES[args.shape]
 sys.path.insert(0, args.repo)
 
 from backends import kernels as native  # noqa: E402
 from backends.attention import AttentionMetadata, paged_attention  # noqa: E402
 from backends.execution import CpuFeatures  # noqa: E402
 
-H, KVH, D = 9, 3, 64
+H, KVH, D = args.heads, args.kv_heads, args.head_dim
 SCALE = D ** -0.5
 
 
@@ -107,7 +115,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cpu = CpuFeatures.detect()
     print(f"repo {args.repo}  cpu kind {cpu.kind}  threads {torch.get_num_threads()}  "
-          f"layout {args.layout}  footprint >= {args.footprint_mb:.0f} MB")
+          f"layout {args.layout}  footprint >= {args.footprint_mb:.0f} MB  shape {args.shape} "
+          f"({H} heads, {KVH} kv heads, head_dim {D})")
     gen = torch.Generator().manual_seed(0)
     kinds = args.kinds.split(",")
     for kv_name in args.kv.split(","):
