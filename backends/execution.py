@@ -80,8 +80,10 @@ class CpuFeatures:
     def detect(cls, capped: bool = True) -> CpuFeatures:
         """The CPU's features, as far as this process's torch and oneDNN will
         use them: ATEN_CPU_CAPABILITY=avx2 (or default) and a
-        ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 cap them, so a machine
-        capped that way plans (and its tests run) as a lower one would.
+        ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 cap them, and one below
+        AMX (AVX512_CORE_BF16, AVX512_CORE_FP16) leaves no tiles, so a
+        machine capped that way plans (and its tests run) as a lower one
+        would.
         ``capped=False``: the hardware's own."""
         import torch
         try:
@@ -102,6 +104,10 @@ class CpuFeatures:
         if cpu.native_bf16 and not (onednn == "ALL" or onednn.startswith(
                 ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10"))):
             cpu = cpu.limited_to("avx512" if onednn.startswith("AVX512") else "avx2")
+        # oneDNN's ISAs with tiles name AMX (AVX512_CORE_AMX, AVX10_1_512_AMX,
+        # ...): a cap below them is an AVX-512 BF16 CPU without tiles.
+        if cpu.amx_bf16 and onednn != "ALL" and "AMX" not in onednn:
+            cpu = replace(cpu, amx_bf16=False)
         return cpu
 
     @property

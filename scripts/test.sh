@@ -48,4 +48,12 @@ if [ "$#" -eq 0 ]; then
         MKL_ENABLE_INSTRUCTIONS=AVX2 \
         .venv/bin/python -m pytest -q -ra --durations=10 tests/test_engine_agreement.py \
         tests/test_compiled_step.py tests/test_cpu_kernels.py tests/test_segment_attention.py
+    # On an AMX CPU, the compiled-step and engine tests once more as an
+    # AVX512_BF16 CPU without AMX runs them (an EPYC of that kind): oneDNN
+    # capped below AMX, and Baton's tile kernels with it (CpuFeatures.detect).
+    if grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null; then
+        ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 \
+            .venv/bin/python -m pytest -q -ra --durations=5 tests/test_engine_agreement.py \
+            tests/test_compiled_step.py
+    fi
 fi

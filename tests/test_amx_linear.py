@@ -298,3 +298,33 @@ def test_whole_step_decode_runs_amx_tiles_where_the_plan_has_them(tiny_llama_dir
                           intermediate=8, block_size=4, eps=1e-6,
                           cos_table=torch.zeros(4, 8), sin_table=torch.zeros(4, 8),
                           final_norm=torch.ones(8), layers=[], amx=True)
+
+
+def test_a_process_capped_below_amx_runs_no_tiles(tiny_llama_dir):
+    """ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 on an AMX CPU: the process plans
+    and runs as an AVX512_BF16 CPU without AMX would (an EPYC of that kind),
+    the decode attention's scores included (they choose AMX at run time), so
+    the cap measures and tests that kind here."""
+    import json
+    import os
+    import subprocess
+    import sys
+    _amx_or_skip()
+    script = (
+        "import json, sys, torch\n"
+        "from backends import kernels as native\n"
+        "from backends.execution import CpuFeatures, ExecutionOptions\n"
+        "from backends.factory import BackendConfig, create_backend\n"
+        "from backends.loader import load_model\n"
+        "loaded = load_model(sys.argv[1], dtype=torch.bfloat16)\n"
+        "backend = create_backend(loaded, BackendConfig(dtype='bfloat16', block_size=4,\n"
+        "    num_kv_blocks=16, execution=ExecutionOptions(compile=False)))\n"
+        "print(json.dumps({'kind': CpuFeatures.detect().describe(),\n"
+        "                  'scores': native.attention_amx('avx512_bf16'),\n"
+        "                  'plan': backend.plan.describe()}))\n")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
+    out = subprocess.run([sys.executable, "-c", script, str(tiny_llama_dir)], env=env,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["kind"] == "avx512_bf16" and got["scores"] is False
+    assert "native avx512_bf16" in got["plan"] and "amx" not in got["plan"], got["plan"]

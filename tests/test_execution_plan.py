@@ -114,6 +114,31 @@ def test_cpu_kinds_nest():
     assert CpuFeatures().kind == "portable"
 
 
+@pytest.mark.parametrize("isa, kind, amx", [
+    ("ALL", "avx512_bf16", True),
+    ("AVX512_CORE_AMX", "avx512_bf16", True),
+    ("avx10_1_512_amx", "avx512_bf16", True),
+    ("AVX512_CORE_FP16", "avx512_bf16", False),
+    ("AVX512_CORE_BF16", "avx512_bf16", False),
+    ("AVX512_CORE", "avx512", False),
+    ("AVX2", "avx2", False),
+])
+def test_a_onednn_cap_plans_as_the_machine_it_names(monkeypatch, isa, kind, amx):
+    """ONEDNN_MAX_CPU_ISA below AMX plans as an AVX-512 BF16 CPU without AMX
+    tiles would (an EPYC of that kind): Baton's tile kernels step down with
+    oneDNN's, so a capped AMX Xeon measures and tests that kind."""
+    import torch
+    flags = {"avx2": True, "fma3": True, "avx512_f": True, "avx512_bw": True,
+             "avx512_vl": True, "avx512_dq": True, "avx512_bf16": True,
+             "amx_bf16": True, "amx_tile": True}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    cpu = CpuFeatures.detect()
+    assert (cpu.kind, cpu.amx_bf16) == (kind, amx)
+    assert CpuFeatures.detect(capped=False).amx_bf16
+
+
 def test_detected_features_match_the_cpu_flags():
     """torch's cpuinfo and /proc/cpuinfo agree on what this CPU offers."""
     from pathlib import Path

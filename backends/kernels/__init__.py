@@ -227,11 +227,24 @@ def load() -> tuple[Path | None, str]:
                 path = build()
                 torch.ops.load_library(str(path))
                 _register_fakes()
+                _follow_the_cap()
                 _state["result"] = (path, "")
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 log.warning("native CPU kernels unavailable, using the torch ops: %s", exc)
                 _state["result"] = (None, str(exc))
         return _state["result"]  # type: ignore[return-value]
+
+
+def _follow_the_cap() -> None:
+    """A process capped below AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``:
+    ``CpuFeatures.detect``) plans no tiles; its decode attention, which
+    chooses AMX scores at run time, keeps them off the tiles too, as an
+    AVX512_BF16 CPU without AMX runs it."""
+    from backends.execution import CpuFeatures
+    k = kind_id("avx512_bf16")
+    if "avx512_bf16" in _kinds_built() and torch.ops.baton.kind_runs(k) \
+            and not CpuFeatures.detect().amx_bf16:
+        torch.ops.baton.attention_amx(k, 0)
 
 
 def loaded() -> bool:
