@@ -57,14 +57,13 @@ ap.add_argument("--shape", default="135m", choices=sorted(SHAPES),
                 help="the attention shape: query heads, kv heads, head_dim of SmolLM2-135M "
                      "(9, 3, 64), -360M (15, 5, 64) or -1.7B (32, 32, 64)")
 args = ap.parse_args()
-args.heads, args.kv_heads, args.head_dim = SHAPES[args.shape]
 sys.path.insert(0, args.repo)
 
 from backends import kernels as native  # noqa: E402
 from backends.attention import AttentionMetadata, paged_attention  # noqa: E402
 from backends.execution import CpuFeatures  # noqa: E402
 
-H, KVH, D = args.heads, args.kv_heads, args.head_dim
+H, KVH, D = SHAPES[args.shape]
 SCALE = D ** -0.5
 
 
