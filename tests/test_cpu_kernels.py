@@ -357,8 +357,9 @@ def test_kernel_ignores_slots_past_each_length(kernel):
 
 def test_amx_scores_agree_with_vdpbf16ps(threads):
     """The avx512_bf16 kind's bf16 scores on AMX tiles against the same
-    kernel forced onto VDPBF16PS: kv groups of 1 to 16 heads (several tile
-    passes where a pass's sixteen heads or sixteen 32-dim pieces run out),
+    kernel forced onto VDPBF16PS: kv groups of 2 to 16 heads (several tile
+    passes where a pass's sixteen heads or sixteen 32-dim pieces run out;
+    groups of one head never take the tiles, so both modes agree there too),
     head dims 32 to 128, blocks of 16 to 128, ragged lengths whose last
     sixteen rows run past the length into NaN (the tile reads them; their
     scores never reach the result), one and two threads (two threads and
@@ -401,6 +402,33 @@ def test_amx_scores_agree_with_vdpbf16ps(threads):
                 assert torch.isfinite(got[1][0].float()).all()
                 torch.testing.assert_close(got[1][0].float(), got[0][0].float(), **BF16_ULP)
                 torch.testing.assert_close(got[1][1], got[0][1], atol=2e-5, rtol=1e-5)
+
+
+def test_attention_prefetches_survive_the_compiler():
+    """The AVX-512 attention asks for the next block's K and V lines ahead
+    (paged_attention.c's prefetch_part). GCC 12 deleted those loops without a
+    word once their addresses came from the block table through a helper (a
+    prefetch builtin has no effect the compiler must keep): every kernel test
+    still passed and a 32-row step's attention ran ~20% slower. They are asm
+    statements now; the built library must still hold them, one site at least
+    per AVX-512 kind in the attention's code."""
+    avx512_kinds = [k for k in ("avx512", "avx512_bf16") if k in CPU.kinds
+                    and native.available(k)[0]]
+    if not avx512_kinds:
+        pytest.skip(f"this CPU ({CPU.describe()}) runs no AVX-512 kind: the prefetching "
+                    "paths are not built")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump (binutils) to read the library's code")
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(native.library_path())],
+                             capture_output=True, text=True, check=True).stdout
+    function, sites = "", 0
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line.split("<", 1)[1]
+        elif "prefetcht0" in line and ("attention" in function or "scores_amx" in function):
+            sites += 1
+    assert sites >= len(avx512_kinds), listing.count("prefetcht0")
 
 
 @pytest.fixture

@@ -19,15 +19,15 @@
  * count the result is one function of the inputs (with or without lse).
  *
  * The AVX-512 paths (their bf16 scores and their values) prefetch the next
- * sixteen positions' slots, a whole 6 KB block of SmolLM2's at blocks of
- * 16, while they work on the current ones: K's blocks in turn, then V's
- * first, then V's; the AMX scores and the values in parts spread over that
- * work (prefetch_part), the VDPBF16PS scores at once (prefetch_piece). The
- * hardware prefetchers start afresh at every scattered block, and the
- * arithmetic otherwise runs while few loads are in flight. Sessions 5 and 7
- * found no consistent gain from prefetching (one or two blocks ahead; per
- * piece with the AMX scores); session 8 measured these in
- * docs/benchmarks.md ("Session 8 (attn)").
+ * sixteen positions of their walk while they work on the current ones, of
+ * each slot the kv heads the task reads (all of them for a task of a whole
+ * row, one for a task of one kv head): K's blocks in turn, then V's first,
+ * then V's; the AMX scores and the values in parts spread over that work
+ * (prefetch_part), the VDPBF16PS scores at once. The hardware prefetchers
+ * start afresh at every scattered block, and the arithmetic otherwise runs
+ * while few loads are in flight. (Until 2026-12-06 they fetched whole
+ * slots whatever the task read: a one-kv-head task of SmolLM2-1.7B's shape,
+ * 32 kv heads, read 32 times the bytes it used; docs/benchmarks.md.)
  *
  * Layouts (all contiguous):
  *   q, out            [T, H, D]
@@ -83,44 +83,59 @@ static inline void softmax_rows(float *scores, int64_t n, int64_t h0, int64_t h1
 }
 
 #ifdef BATON_AVX2
-/* Software prefetch (to L1) of the first min(16, n - p) positions' slots of
- * the block holding position p (p a multiple of 16 and < n; blocks of
- * block_size, slots of `bytes`): the kernels ask, while they work on one
- * piece of sixteen positions, for the next piece of their walk, K's blocks
- * and then V's first, so the scattered block's lines are in flight while
- * the arithmetic runs (the hardware prefetchers start afresh at each
- * block). */
-static inline void prefetch_piece(const void *cache, const int64_t *table, int64_t p,
-                                  int64_t n, int64_t block_size, int64_t bytes) {
-    const int64_t m = n - p < 16 ? n - p : 16;
-    const char *at = (const char *)cache +
-                     (table[p / block_size] * block_size + p % block_size) * bytes;
-    for (int64_t o = 0; o < m * bytes; o += 64) _mm_prefetch(at + o, _MM_HINT_T0);
+/* Software prefetch (to L1) of the next piece of a walk: the first
+ * min(16, n - p) positions of the block holding position p (p a multiple of
+ * 16 and < n; blocks of block_size, slots of `bytes`), and of each slot only
+ * the bytes [off, off + len) that the task reads (its kv heads: a task of
+ * one kv head of SmolLM2-1.7B's 32 reads 128 bytes of each 4 KB slot). The
+ * kernels ask, while they work on one piece of sixteen positions, for the
+ * next piece of their walk, K's blocks and then V's first, so the scattered
+ * block's lines are in flight while the arithmetic runs (the hardware
+ * prefetchers start afresh at each block). A run is asked for in parts
+ * (prefetch_part) spread over the steps of the work on the current piece
+ * rather than at once: they interleave with that work (measured 2026-12-01,
+ * one thread, 16 x 200 and 8 x 1000: ~8-10% faster than all at once).
+ * `at` NULL when p >= n. */
+/* One line into L1 by an asm statement the compiler keeps: GCC 12 deleted
+ * these loops of _mm_prefetch (the builtin has no effect it must keep) once
+ * their addresses came through piece_run from the block table. */
+static inline void prefetch_line(const char *p) {
+    __asm__ volatile("prefetcht0 %0" : : "m"(*p));
 }
 
-/* The same piece as a run of bytes to prefetch in parts (prefetch_part):
- * spread over the steps of the work on the current piece rather than asked
- * for at once, the prefetches interleave with that work (measured
- * 2026-12-01, one thread, 16 x 200 and 8 x 1000: ~8-10% faster than all
- * at once). `at` NULL when p >= n. */
-typedef struct { const char *at; int64_t bytes; } prefetch_run;
+typedef struct { const char *at; int64_t slots, lines, stride; } prefetch_run;
 
 static inline prefetch_run piece_run(const void *cache, const int64_t *table, int64_t p,
-                                     int64_t n, int64_t block_size, int64_t bytes) {
-    prefetch_run r = {NULL, 0};
+                                     int64_t n, int64_t block_size, int64_t bytes,
+                                     int64_t off, int64_t len) {
+    prefetch_run r = {NULL, 0, 0, bytes};
     if (p < n) {
-        r.at = (const char *)cache + (table[p / block_size] * block_size + p % block_size) * bytes;
-        r.bytes = (n - p < 16 ? n - p : 16) * bytes;
+        const char *first = (const char *)cache +
+                            (table[p / block_size] * block_size + p % block_size) * bytes + off;
+        r.at = (const char *)((uintptr_t)first & ~(uintptr_t)63);
+        r.lines = (first + len - r.at + 63) / 64;
+        r.slots = n - p < 16 ? n - p : 16;
+        if (off == 0 && len == bytes) {  /* whole slots: one contiguous run */
+            r.lines = (r.slots * bytes + 63) / 64;
+            r.slots = 1;
+        }
     }
     return r;
 }
 
-/* Part i of `parts` of the run (whole 64-byte lines; the last part to its end). */
+/* Part i of `parts` of the run's lines (the last part to its end). */
 static inline void prefetch_part(prefetch_run r, int64_t i, int64_t parts) {
     if (r.at == NULL) return;
-    const int64_t lo = i * r.bytes / parts / 64 * 64;
-    const int64_t hi = i + 1 == parts ? r.bytes : (i + 1) * r.bytes / parts / 64 * 64;
-    for (int64_t o = lo; o < hi; o += 64) _mm_prefetch(r.at + o, _MM_HINT_T0);
+    const int64_t total = r.slots * r.lines;
+    const int64_t lo = i * total / parts, hi = i + 1 == parts ? total : (i + 1) * total / parts;
+    if (r.slots == 1) {
+        for (int64_t k = lo; k < hi; k++) prefetch_line(r.at + 64 * k);
+        return;
+    }
+    for (int64_t s = lo / r.lines, first = lo - s * r.lines; s * r.lines < hi; s++, first = 0) {
+        const int64_t end = hi - s * r.lines < r.lines ? hi - s * r.lines : r.lines;
+        for (int64_t l = first; l < end; l++) prefetch_line(r.at + s * r.stride + 64 * l);
+    }
 }
 
 /* Eight float32 values of a cache row, from float32 or bfloat16 storage. */
@@ -533,9 +548,11 @@ BATON_AMX_TARGET static void scores_amx(const uint16_t *qb, const uint16_t *k_ca
             /* the next piece of K, or after the last (of the last pass) V's
              * first, a part before each tile step */
             const prefetch_run next =
-                p0 + 16 < n ? piece_run(k_cache, table, p0 + 16, n, block_size, row * 2)
-                : gb == h1 / G ? piece_run(v_cache, table, 0, n, block_size, row * 2)
-                : (prefetch_run){NULL, 0};
+                p0 + 16 < n ? piece_run(k_cache, table, p0 + 16, n, block_size, row * 2,
+                                        ga * D * 2, (gb - ga) * D * 2)
+                : gb == h1 / G ? piece_run(v_cache, table, 0, n, block_size, row * 2,
+                                           h0 / G * D * 2, (h1 - h0) / G * D * 2)
+                : (prefetch_run){NULL, 0, 0, 0};
             _tile_zero(0);
             for (int64_t x = 0; x < pieces; x++) {
                 prefetch_part(next, x, pieces);
@@ -616,7 +633,11 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
 #if defined(__AVX512BF16__)
 #ifdef BATON_AMX
     float inv_heads[h1 - h0];
-    if (qb != NULL && bf16 && block_size % 16 == 0 && G <= 16 &&
+    /* Tiles pay where a kv head serves several query heads: with one
+     * (SmolLM2-1.7B's 32 of 32) a B tile holds one head's column and the
+     * VDPBF16PS scores were 1.1-1.2x faster (attention_bw.py --shape 1.7b);
+     * with three or four (135m, 360m, 8b) the tiles 1.2-1.3x. */
+    if (qb != NULL && bf16 && block_size % 16 == 0 && G >= 2 && G <= 16 &&
         __atomic_load_n(&attention_amx_wanted, __ATOMIC_RELAXED) && baton_amx_bf16_ready()) {
         const int64_t W = (h1 - h0 + 15) / 16 * 16;
         scores_amx(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, n, h0, h1,
@@ -630,10 +651,11 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
         for (int64_t p0 = 0; p0 < n; p0 += block_size) {
             const int64_t base = table[p0 / block_size] * block_size * row;
             const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
-            if (p0 + block_size < n)
-                prefetch_piece(k_cache, table, p0 + block_size, n, block_size, row * 2);
-            else
-                prefetch_piece(v_cache, table, 0, n, block_size, row * 2);
+            prefetch_part(p0 + block_size < n
+                              ? piece_run(k_cache, table, p0 + block_size, n, block_size,
+                                          row * 2, h0 / G * D * 2, (h1 - h0) / G * D * 2)
+                              : piece_run(v_cache, table, 0, n, block_size, row * 2,
+                                          h0 / G * D * 2, (h1 - h0) / G * D * 2), 0, 1);
             for (int64_t h = h0; h < h1; h++)
                 qk_block_dispatch(qb + h * D, (const uint16_t *)k_cache, base + (h / G) * D,
                                   row, m, D, scale, scores + h * n + p0);
@@ -649,8 +671,9 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
         const int64_t base = table[p0 / block_size] * block_size * row;
         const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
         /* the next block's first sixteen positions, a part per kv group */
+        const int64_t es = bf16 ? 2 : 4;
         const prefetch_run next = piece_run(v_cache, table, p0 + block_size, n, block_size,
-                                            row * (bf16 ? 2 : 4));
+                                            row * es, h0 / G * D * es, (h1 - h0) / G * D * es);
         for (int64_t g = h0 / G; g < h1 / G; g++) {
             prefetch_part(next, g - h0 / G, h1 / G - h0 / G);
             for (int64_t hs = g * G; hs < (g + 1) * G; hs += most) {
