@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {"135m": (9, 3, 64), "360m": (15, 5, 64), "1.7b": (32, 32, 64)}
+SHAPES = {"135m": (9, 3, 64), "360m": (15, 5, 64), "1.7b": (32, 32, 64), "8b": (32, 8, 128)}
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]))
 ap.add_argument("--cases", default="32x200,32x1100,4x500,1x2000")
@@ -55,7 +55,8 @@ ap.add_argument("--pools", default="slot-major",
                      "one kv head's block one contiguous run), or both in turn")
 ap.add_argument("--shape", default="135m", choices=sorted(SHAPES),
                 help="the attention shape: query heads, kv heads, head_dim of SmolLM2-135M "
-                     "(9, 3, 64), -360M (15, 5, 64) or -1.7B (32, 32, 64)")
+                     "(9, 3, 64), -360M (15, 5, 64), -1.7B (32, 32, 64), or an 8B model's "
+                     "such as Llama-3-8B or Qwen3-8B (32, 8, 128)")
 args = ap.parse_args()
 sys.path.insert(0, args.repo)
 
