@@ -4,7 +4,8 @@ Times `baton::paged_decode_attention` (each CPU kind this CPU runs, each its
 own build) and the library path it replaces (gather + torch SDPA, what
 backends/attention.py runs without a kernel) on an attention shape
 (--shape: SmolLM2-135M's 9 query heads, 3 kv heads and head_dim 64 by
-default; 360m and 1.7b the benchmark models' shapes; blocks of --block-sizes
+default; 360m and 1.7b the benchmark models' shapes, 8b an 8B model's
+(32, 8, 128: Llama-3-8B, Qwen3-8B); blocks of --block-sizes
 positions, 16 by default, the server's default) over a
 realistic pool: block tables scattered at random over a pool larger than
 the touched blocks, and enough distinct layer pools in turn that the KV a
@@ -13,7 +14,7 @@ in a decode step where 30 layers and the weights pass between two reads of
 one layer's pool.
 
     .venv/bin/python benchmarks/attention_bw.py [--cases 32x200,32x1100,4x500,1x2000]
-        [--shape 135m|360m|1.7b]
+        [--shape 135m|360m|1.7b|8b]
         [--kv bfloat16,float32] [--kinds portable,avx2,avx512,avx512_bf16,sdpa]
         [--block-sizes 16,32,64,128]   # each case at each block size, in turn
         [--pools slot-major,kvh-major]  # the pool's layout (kvh-major: one call per kv head)
