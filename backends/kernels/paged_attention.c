@@ -83,6 +83,13 @@ static inline void softmax_rows(float *scores, int64_t n, int64_t h0, int64_t h1
 }
 
 #ifdef BATON_AVX2
+/* One line into L1 by an asm statement the compiler keeps: GCC 12 deleted
+ * these loops of _mm_prefetch (the builtin has no effect it must keep) once
+ * their addresses came through piece_run from the block table. */
+static inline void prefetch_line(const char *p) {
+    __asm__ volatile("prefetcht0 %0" : : "m"(*p));
+}
+
 /* Software prefetch (to L1) of the next piece of a walk: the first
  * min(16, n - p) positions of the block holding position p (p a multiple of
  * 16 and < n; blocks of block_size, slots of `bytes`), and of each slot only
@@ -96,13 +103,6 @@ static inline void softmax_rows(float *scores, int64_t n, int64_t h0, int64_t h1
  * rather than at once: they interleave with that work (measured 2026-12-01,
  * one thread, 16 x 200 and 8 x 1000: ~8-10% faster than all at once).
  * `at` NULL when p >= n. */
-/* One line into L1 by an asm statement the compiler keeps: GCC 12 deleted
- * these loops of _mm_prefetch (the builtin has no effect it must keep) once
- * their addresses came through piece_run from the block table. */
-static inline void prefetch_line(const char *p) {
-    __asm__ volatile("prefetcht0 %0" : : "m"(*p));
-}
-
 typedef struct { const char *at; int64_t slots, lines, stride; } prefetch_run;
 
 static inline prefetch_run piece_run(const void *cache, const int64_t *table, int64_t p,
@@ -628,6 +628,8 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
     /* the weights' layout: head-major scores[h * n + p] (wh = n, wp = 1), or
      * scores_amx's position-major rows of W (w0: the first head's column) */
     int64_t wh = n, wp = 1, w0 = h0 * n;
+    /* the task's kv heads within a slot, in elements (what it prefetches) */
+    const int64_t heads_at = h0 / G * D, heads_len = (h1 - h0) / G * D;
     float *inv = NULL;
     (void)qb;
 #if defined(__AVX512BF16__)
@@ -653,9 +655,9 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
             const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
             prefetch_part(p0 + block_size < n
                               ? piece_run(k_cache, table, p0 + block_size, n, block_size,
-                                          row * 2, h0 / G * D * 2, (h1 - h0) / G * D * 2)
+                                          row * 2, heads_at * 2, heads_len * 2)
                               : piece_run(v_cache, table, 0, n, block_size, row * 2,
-                                          h0 / G * D * 2, (h1 - h0) / G * D * 2), 0, 1);
+                                          heads_at * 2, heads_len * 2), 0, 1);
             for (int64_t h = h0; h < h1; h++)
                 qk_block_dispatch(qb + h * D, (const uint16_t *)k_cache, base + (h / G) * D,
                                   row, m, D, scale, scores + h * n + p0);
@@ -673,7 +675,7 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
         /* the next block's first sixteen positions, a part per kv group */
         const int64_t es = bf16 ? 2 : 4;
         const prefetch_run next = piece_run(v_cache, table, p0 + block_size, n, block_size,
-                                            row * es, h0 / G * D * es, (h1 - h0) / G * D * es);
+                                            row * es, heads_at * es, heads_len * es);
         for (int64_t g = h0 / G; g < h1 / G; g++) {
             prefetch_part(next, g - h0 / G, h1 / G - h0 / G);
             for (int64_t hs = g * G; hs < (g + 1) * G; hs += most) {
