@@ -204,16 +204,16 @@ int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
                 if (rb) baton_round_bf16_row(q + t * Q, Q);
             }
 
-            /* One task per (row, kv head): with one row, every thread works.
-             * A wide step (more rows than the gemv's) scores in bf16 from a
-             * bf16 copy of q (exact: q holds bf16 values), one task per row
-             * once there are two rows per thread, as the layer path's
-             * baton_paged_decode_attention_bf16 does. */
+            /* The layer path's tasks (baton_attention_splits): whole rows
+             * once there are two rows per thread, else groups of kv heads
+             * that keep every thread busy. A wide step (more rows than the
+             * gemv's) scores in bf16 from a bf16 copy of q (exact: q holds
+             * bf16 values). */
             if (wide) {
                 #pragma omp for
                 for (int64_t t = 0; t < M; t++) baton_store_bf16(q + t * Q, qb + t * Q, Q);
             }
-            const int64_t splits = wide && M >= 2 * nt ? 1 : KVH, per = H / splits;
+            const int64_t splits = baton_attention_splits(M, KVH, (int)nt), per = H / splits;
             #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < M * splits; task++) {
                 if (!ok) continue;

@@ -40,6 +40,7 @@
 #define baton_linear_amx_tiles BATON_FN(baton_linear_amx_tiles)
 #define baton_linear_amx_tiles_many BATON_FN(baton_linear_amx_tiles_many)
 #define baton_attention_task_qb BATON_FN(baton_attention_task_qb)
+#define baton_attention_splits BATON_FN(baton_attention_splits)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
 
 #include <math.h>
@@ -345,6 +346,7 @@ void baton_qkv_rope_store_row(const float *row, int64_t H, int64_t KVH, int64_t 
  * allows), as baton_paged_decode_attention_bf16 takes them. scores: H *
  * max_ctx floats (with qb, round_up(H, 16) * round_up(max_ctx, 16)), acc:
  * H * D floats, both owned by the calling thread. */
+int64_t baton_attention_splits(int64_t T, int64_t KVH, int num_threads);
 void baton_attention_task_qb(const float *q, const uint16_t *qb, const void *k_cache,
                              const void *v_cache, int kv_bf16, const int64_t *block_tables,
                              const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
