@@ -128,10 +128,6 @@ static inline void prefetch_part(prefetch_run r, int64_t i, int64_t parts) {
     if (r.at == NULL) return;
     const int64_t total = r.slots * r.lines;
     const int64_t lo = i * total / parts, hi = i + 1 == parts ? total : (i + 1) * total / parts;
-    if (r.slots == 1) {
-        for (int64_t k = lo; k < hi; k++) prefetch_line(r.at + 64 * k);
-        return;
-    }
     for (int64_t s = lo / r.lines, first = lo - s * r.lines; s * r.lines < hi; s++, first = 0) {
         const int64_t end = hi - s * r.lines < r.lines ? hi - s * r.lines : r.lines;
         for (int64_t l = first; l < end; l++) prefetch_line(r.at + s * r.stride + 64 * l);
