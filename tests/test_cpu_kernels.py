@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -404,6 +405,23 @@ def test_amx_scores_agree_with_vdpbf16ps(threads):
                 torch.testing.assert_close(got[1][1], got[0][1], atol=2e-5, rtol=1e-5)
 
 
+def _functions() -> dict[str, list[str]]:
+    """The built kernel library's code, function by function (objdump)."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump (binutils) to read the library's code")
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(native.library_path())],
+                             capture_output=True, text=True, check=True).stdout
+    functions: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            lines = functions.setdefault(line.split("<", 1)[1][:-2], [])
+        else:
+            lines.append(line)
+    return functions
+
+
 def test_attention_prefetches_survive_the_compiler():
     """The AVX-512 attention asks for the next block's K and V lines ahead
     (paged_attention.c's prefetch_part). GCC 12 deleted those loops without a
@@ -417,18 +435,28 @@ def test_attention_prefetches_survive_the_compiler():
     if not avx512_kinds:
         pytest.skip(f"this CPU ({CPU.describe()}) runs no AVX-512 kind: the prefetching "
                     "paths are not built")
-    objdump = shutil.which("objdump")
-    if objdump is None:
-        pytest.skip("no objdump (binutils) to read the library's code")
-    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(native.library_path())],
-                             capture_output=True, text=True, check=True).stdout
-    function, sites = "", 0
-    for line in listing.splitlines():
-        if line.endswith(">:"):
-            function = line.split("<", 1)[1]
-        elif "prefetcht0" in line and ("attention" in function or "scores_amx" in function):
-            sites += 1
-    assert sites >= len(avx512_kinds), listing.count("prefetcht0")
+    sites = sum(1 for name, lines in _functions().items()
+                if "attention" in name or "scores_amx" in name
+                for line in lines if "prefetcht0" in line)
+    assert sites >= len(avx512_kinds), sites
+
+
+def test_bf16_gemv_keeps_its_chains_in_registers():
+    """The VDPBF16PS gemv (gemv_bf16.c's block_dp, a few bf16 rows where
+    there are no AMX tiles) broadcasts each row's column pair from memory
+    into its products. Two ways GCC 12 made it 1.1-1.3x slower at three and
+    four rows while every value stayed the same: chains picked by a run-time
+    index (the pair's parity) spilled to the stack, and a 64-bit load of two
+    pairs moved through a general register (VPBROADCASTD from a GPR, port 5
+    beside the products). The avx512_bf16 build's gemv must have neither."""
+    if "avx512_bf16" not in CPU.kinds or not native.available("avx512_bf16")[0]:
+        pytest.skip(f"this CPU ({CPU.describe()}) cannot run the avx512_bf16 kernels")
+    lines = _functions()["baton_gemv_tiles_bf16x_avx512_bf16"]
+    gpr = [line for line in lines if re.search(r"vpbroadcast[dq]\s+%[er]", line)]
+    spills = [line for line in lines if "zmm" in line and re.search(r"\(%rsp,%r", line)]
+    assert not gpr and not spills, (gpr + spills)[:5]
+    assert any("vdpbf16ps" in line for line in lines)
+    assert any(re.search(r"v(p?broadcastd|broadcastss)\s+\S*\(", line) for line in lines)
 
 
 @pytest.fixture
