@@ -211,21 +211,29 @@ static void pack_row_blocks(const uint16_t *x, uint16_t *xa, int64_t M, int64_t 
     }
 }
 
-/* C[mi][gi] in tmm(2 * mi + gi), from zero: the packed row blocks a0 and a1
- * (A, tmm 4 and 5) times the weight blocks w0 and w1 (B, tmm 6 and 7) over
- * kb column blocks in order; with prefetch, each weight block two ahead is
+/* C[mi][gi] in tmm(2 * mi + gi), from zero (or from the four C tiles at c,
+ * 4 KB: a sum so far): the packed row blocks a0 and a1 (A, tmm 4 and 5)
+ * times the weight blocks w0 and w1 (B, tmm 6 and 7) over column blocks
+ * [j0, j1) in order; with prefetch, each weight block two ahead is
  * asked for into L1 (baton_prefetch_block), for weights streaming from
  * memory. (Marked always_inline, GCC 12 dropped those prefetches from the
  * inlined copy and 32-row calls took ~35% longer; as a plain static function
  * it is inlined with them, as fast as the loop written out.) */
 BATON_AMX_TARGET static void amx_block_2x2(const uint16_t *a0, const uint16_t *a1,
-                                           const uint16_t *w0, const uint16_t *w1, int64_t kb,
-                                           int prefetch) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t j = 0; j < kb; j++) {
+                                           const uint16_t *w0, const uint16_t *w1, int64_t j0,
+                                           int64_t j1, int prefetch, const float *c) {
+    if (c) {
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + 256, 64);
+        _tile_loadd(2, c + 512, 64);
+        _tile_loadd(3, c + 768, 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t j = j0; j < j1; j++) {
         const int64_t o = j * BATON_GEMV_BLOCK;
         if (prefetch) {
             baton_prefetch_block(w0, j);
@@ -257,7 +265,7 @@ BATON_AMX_TARGET static void amx_many_panel(const uint16_t *xa, int64_t kb, cons
             const int twom = r + 1 < r1;
             const uint16_t *a0 = xa + r * kb * BATON_GEMV_BLOCK;
             const uint16_t *a1 = twom ? a0 + kb * BATON_GEMV_BLOCK : a0;
-            amx_block_2x2(a0, a1, w0, w1, kb, 1);
+            amx_block_2x2(a0, a1, w0, w1, 0, kb, 1, NULL);
             store_tiles(bias, y16, yf, M, N, g, two, r, twom);
         }
     }
@@ -291,7 +299,18 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
  * MB slower). With a model's worth of distinct weights streamed from memory
  * (30 layers of SmolLM2's four projections, old and new alternating in one
  * process), 0.74-1.02 of the time a pass at 512 rows in ten runs (median
- * 0.95), 0.80-0.87 at 2048. The next chunk's weights are prefetched into L2
+ * 0.95), 0.80-0.87 at 2048.
+ * Each chunk is also cut along K, into slices of AMX_K_SLICE column blocks
+ * at most: a row pair's slice (2 x 8 KB) then stays in L1 across the
+ * chunk's feature pairs, where a row pair's whole K (60 KB for SmolLM2-360M's
+ * 960 columns, 512 KB for 8192) came from L2 beside the weights for every
+ * feature pair. Between slices a 2 x 2 block's four C tiles wait in a
+ * float32 buffer (cbuf: at most AMX_C_BYTES a thread, which bounds the
+ * chunk); a float32 sum stored and loaded back is the same sum. With a
+ * model's worth of weights (benchmarks/linear_rows.py, Xeon model 167,
+ * 2026-12-06) a pass at 300-512 rows took 1.1-1.3x less time on SmolLM2's
+ * 135M, 360M and 1.7B shapes; at 1024 rows level; slices of 4 blocks as fast,
+ * of 12 and 16 slower. The next slice's weights are prefetched into L2
  * meanwhile. Each 2 x 2 block is amx_block_2x2 without its L1 prefetch of
  * the weight blocks (they come from L2 here). A C element is summed over the
  * same column blocks in the same order as in amx_many_panel and amx_groups:
@@ -302,36 +321,69 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
  * measured level or 2-5% ahead with a model's worth of streamed weights,
  * at 512 rows ~5% behind (median). */
 #define AMX_ROW_MAJOR_BLOCKS 16
+#define AMX_K_SLICE 8
+#define AMX_C_BYTES (512 * 1024)
+/* feature blocks a chunk holds at most when cut into slices */
+#define AMX_C_CHUNK 16
 
 BATON_AMX_TARGET static void amx_rows_thread(const uint16_t *xa, int64_t kb, const uint16_t *w,
                                              const float *bias, uint16_t *y, int64_t M,
                                              int64_t N, int64_t g0, int64_t g1,
-                                             int64_t rblocks) {
+                                             int64_t rblocks, float *cbuf) {
     load_tile_config(16);
     const int64_t wrow = BATON_GEMV_BLOCK * kb;  /* bf16 values per feature block */
-    int64_t chunk = AMX_WEIGHT_CHUNK / (wrow * 2);
+    const int64_t slices = (kb + AMX_K_SLICE - 1) / AMX_K_SLICE;
+    const int64_t kc = (kb + slices - 1) / slices;
+    int64_t chunk = AMX_WEIGHT_CHUNK / (kc * BATON_GEMV_BLOCK * 2);
     chunk = chunk < 2 ? 2 : chunk - (chunk & 1);
+    if (slices > 1) {
+        /* the sums between slices (1 KB a row block and feature block) within
+         * AMX_C_BYTES */
+        int64_t most = AMX_C_BYTES / 1024 / rblocks;
+        most = most < 2 ? 2 : most - (most & 1);
+        if (most > AMX_C_CHUNK) most = AMX_C_CHUNK;
+        if (chunk > most) chunk = most;
+    }
     for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < g1 ? c0 + chunk : g1;
-        /* the next chunk's weights into L2 while this one is multiplied:
-         * an equal share of its lines at each of this chunk's (row pair,
-         * feature pair) steps */
-        const char *next = (const char *)(w + c1 * wrow);
-        const int64_t next_bytes = (c1 + chunk < g1 ? chunk : g1 - c1) * wrow * 2;
-        const int64_t steps = ((rblocks + 1) / 2) * ((c1 - c0 + 1) / 2);
-        const int64_t per_step = (next_bytes / 64 + steps - 1) / steps * 64;
-        int64_t pf = 0;
-        for (int64_t r = 0; r < rblocks; r += 2) {
-            const int twom = r + 1 < rblocks;
-            const uint16_t *a0 = xa + r * kb * BATON_GEMV_BLOCK;
-            const uint16_t *a1 = twom ? a0 + kb * BATON_GEMV_BLOCK : a0;
-            for (int64_t g = c0; g < c1; g += 2) {
-                const int two = g + 1 < c1;
-                const uint16_t *w0 = w + g * wrow, *w1 = two ? w0 + wrow : w0;
-                for (int64_t e = pf + per_step; pf < e && pf < next_bytes; pf += 64)
-                    _mm_prefetch(next + pf, _MM_HINT_T1);
-                amx_block_2x2(a0, a1, w0, w1, kb, 0);
-                store_tiles(bias, y, 0, M, N, g, two, r, twom);
+        for (int64_t s = 0; s < slices; s++) {
+            const int64_t j0 = s * kc, j1 = j0 + kc < kb ? j0 + kc : kb;
+            /* the next slice's weights into L2 while this one is multiplied:
+             * an equal share of its lines at each (row pair, feature pair) step */
+            const int next_chunk = j1 == kb;
+            const int64_t n0 = next_chunk ? c1 : c0;
+            const int64_t n1 = next_chunk ? (c1 + chunk < g1 ? c1 + chunk : g1) : c1;
+            const int64_t nj0 = next_chunk ? 0 : j1;
+            const int64_t nj1 = next_chunk ? (kc < kb ? kc : kb) : (j1 + kc < kb ? j1 + kc : kb);
+            const int64_t run_lines = (nj1 - nj0) * BATON_GEMV_BLOCK * 2 / 64;
+            const int64_t next_lines = n1 > n0 ? (n1 - n0) * run_lines : 0;
+            const int64_t steps = ((rblocks + 1) / 2) * ((c1 - c0 + 1) / 2);
+            const int64_t per_step = (next_lines + steps - 1) / steps;
+            int64_t pf = 0;
+            for (int64_t r = 0; r < rblocks; r += 2) {
+                const int twom = r + 1 < rblocks;
+                const uint16_t *a0 = xa + r * kb * BATON_GEMV_BLOCK;
+                const uint16_t *a1 = twom ? a0 + kb * BATON_GEMV_BLOCK : a0;
+                for (int64_t g = c0; g < c1; g += 2) {
+                    const int two = g + 1 < c1;
+                    const uint16_t *w0 = w + g * wrow, *w1 = two ? w0 + wrow : w0;
+                    for (int64_t e = pf + per_step; pf < e && pf < next_lines; pf++) {
+                        const char *line = (const char *)(w + (n0 + pf / run_lines) * wrow +
+                                                          nj0 * BATON_GEMV_BLOCK) +
+                                           pf % run_lines * 64;
+                        _mm_prefetch(line, _MM_HINT_T1);
+                    }
+                    float *c = cbuf + ((r / 2) * (chunk / 2) + (g - c0) / 2) * 1024;
+                    amx_block_2x2(a0, a1, w0, w1, j0, j1, 0, s ? c : NULL);
+                    if (j1 == kb) {
+                        store_tiles(bias, y, 0, M, N, g, two, r, twom);
+                    } else {
+                        _tile_stored(0, c, 64);
+                        _tile_stored(1, c + 256, 64);
+                        _tile_stored(2, c + 512, 64);
+                        _tile_stored(3, c + 768, 64);
+                    }
+                }
             }
         }
     }
@@ -356,9 +408,15 @@ static int amx_linear_many(const uint16_t *x, const uint16_t *w, const uint16_t 
     const int64_t panel = many_panel(kb, rblocks);
     uint16_t *xa = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * rblocks * kb * BATON_GEMV_BLOCK);
     float *bf = (float *)malloc(sizeof(float) * (N + 1));
-    if (xa == NULL || bf == NULL) {
+    /* the row-major path's float32 sums between K slices: per thread, a
+     * 4 KB set of C tiles for each (row pair, feature pair) of a chunk */
+    const int64_t cfloats = (rblocks + 1) / 2 * (AMX_C_CHUNK / 2) * 1024;
+    const int slices = rblocks > AMX_ROW_MAJOR_BLOCKS && kb > AMX_K_SLICE;
+    float *cb = slices ? (float *)aligned_alloc(64, sizeof(float) * cfloats * num_threads) : NULL;
+    if (xa == NULL || bf == NULL || (slices && cb == NULL)) {
         free(xa);
         free(bf);
+        free(cb);
         return 2;
     }
     if (bias) baton_load_bf16(bias, bf, N);
@@ -370,12 +428,14 @@ static int amx_linear_many(const uint16_t *x, const uint16_t *w, const uint16_t 
         thread_groups(groups, me, nt, &g0, &g1);
         #pragma omp barrier
         if (g0 < g1 && rblocks > AMX_ROW_MAJOR_BLOCKS)
-            amx_rows_thread(xa, kb, w, bias ? bf : 0, y, M, N, g0, g1, rblocks);
+            amx_rows_thread(xa, kb, w, bias ? bf : 0, y, M, N, g0, g1, rblocks,
+                            cb ? cb + me * cfloats : NULL);
         else if (g0 < g1)
             amx_many_thread(xa, kb, w, bias ? bf : 0, y, 0, M, N, g0, g1, rblocks, panel);
     }
     free(xa);
     free(bf);
+    free(cb);
     return 0;
 }
 
