@@ -283,7 +283,7 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
     _tile_release();
 }
 
-/* ---- More than 32 rows (prefill chunks): row pairs outside, weights inside.
+/* ---- More than 128 rows (prefill chunks): row pairs outside, weights inside.
  * The thread's run of feature-block pairs is cut into chunks of at most
  * AMX_WEIGHT_CHUNK bytes of weights (they stay in L2); for each chunk, every
  * pair of row blocks (2 x kb KB of packed rows, read from L1 across the
@@ -316,11 +316,12 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
  * same column blocks in the same order as in amx_many_panel and amx_groups:
  * the same bits. */
 #define AMX_WEIGHT_CHUNK (768 * 1024)
-/* Row blocks above which a call takes this order: at 128-256 rows the panel
- * order (weights read once, each pair reused from L1 by the panel's rows)
- * measured level or 2-5% ahead with a model's worth of streamed weights,
- * at 512 rows ~5% behind (median). */
-#define AMX_ROW_MAJOR_BLOCKS 16
+/* Row blocks above which a call takes this order. Since the K slices,
+ * 160-256 rows 1.1-1.4x faster than in the panel order (360M and 1.7B
+ * shapes, two pairs each); at 80-128 rows the panel order stays ahead on
+ * the 360M shape (by 1.2x), level on the 1.7B shape. (Before the slices,
+ * 128-256 rows measured level or 2-5% ahead in the panel order.) */
+#define AMX_ROW_MAJOR_BLOCKS 8
 #define AMX_K_SLICE 8
 #define AMX_C_BYTES (512 * 1024)
 /* feature blocks a chunk holds at most when cut into slices */
