@@ -286,8 +286,8 @@ BATON_AMX_TARGET static void amx_many_thread(const uint16_t *xa, int64_t kb, con
 /* ---- More than 128 rows (prefill chunks): row pairs outside, weights inside.
  * The thread's run of feature-block pairs is cut into chunks of at most
  * AMX_WEIGHT_CHUNK bytes of weights (they stay in L2); for each chunk, every
- * pair of row blocks (2 x kb KB of packed rows, read from L1 across the
- * chunk) meets every pair of weight blocks of the chunk. The results are then
+ * pair of row blocks (its packed rows, a K slice at a time: below) across the
+ * chunk meets every pair of weight blocks of the chunk. The results are then
  * written row by row across the chunk's features (contiguous runs of a row)
  * instead of sixteen-feature columns down every row of the panel, as the
  * panel order above writes them: with [512 x 576] x [3072 x 576] that column
