@@ -114,11 +114,11 @@ def test_amx_linear_row_does_not_depend_on_the_batch(out_features, in_features):
 
 @pytest.mark.parametrize("rows,out_features,in_features",
                          [(700, 40, 1537), (97, 33, 64), (300, 1001, 1537), (290, 3000, 576),
-                          (100, 40, 4100)])
+                          (100, 40, 11000)])
 def test_amx_linear_many_rows_give_each_row_the_few_row_bits(rows, out_features, in_features):
     """Prefill chunks take the many-row paths: rows packed in tile order, in
     panels (97 rows), or above 128 rows (and where K is so wide that panels
-    would read the weights three times: 100 rows of 4100 columns) row-major
+    would read the weights three times: 100 rows of 11000 columns) row-major
     over chunks of each thread's weights, K cut into slices whose sums wait
     in float32 between them (1001 or 3000 features span several chunks; an
     odd row block, an odd last feature block); each row's bits are still

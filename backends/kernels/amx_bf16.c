@@ -185,12 +185,17 @@ static inline void thread_groups(int64_t groups, int64_t me, int64_t nt, int64_t
  * of weight blocks from L1 for every row block of the panel. Panels of
  * 256 KB measured ahead of 512 KB-1.5 MB at 2048 rows on the Xeon model 207
  * (docs/benchmarks.md, session 8), though each panel reads the weights once
- * more; the weight blocks are prefetched as in amx_groups. A C element is
+ * more; since calls of more than 128 rows take the row-major order below,
+ * panels of 1 MB: one panel, the weights read once, for up to 128 rows of
+ * up to 4096 columns (1.7B shape at 48-80 rows 1.1-1.3x faster, an 8B
+ * model's shape at 48-128 rows 1.2-1.35x, two pairs each; the smaller
+ * shapes' panels held 128 rows already). The weight blocks are prefetched
+ * as in amx_groups. A C element is
  * summed over the same column blocks in the same order, from zero, as in
  * amx_groups, and rounded by store_block: a row's bits are those of the
  * few-row path, whatever the number of rows. */
 #define BATON_AMX_MANY_ROWS 16
-#define AMX_PANEL_BYTES (256 * 1024)
+#define AMX_PANEL_BYTES (1024 * 1024)
 
 /* Rows [16 * r0, 16 * r1) of x [M][K] into xa in tile order (block (r, j)
  * at xa + (r * kb + j) * 512), zero past row M and column K. */
