@@ -2,7 +2,8 @@
  * TDPBF16PS on tiles already loaded (four independent C tiles, no memory
  * traffic), on every OpenMP thread, timed; and beside it the same for
  * VDPBF16PS on zmm registers (24 independent chains; what the gemv and
- * oneDNN's bf16 kernels reach at best on an AVX512_BF16 CPU without tiles). On a VM the tile unit of a
+ * oneDNN's bf16 kernels reach at best on an AVX512_BF16 CPU without tiles).
+ * On a VM the tile unit of a
  * physical core can be shared with other tenants' work: the figure says what
  * the tile linear and oneDNN's bf16 kernels can reach at best in this
  * moment, beside benchmarks/read_floor.py (memory). A TDPBF16PS of 16 x 16 x
