@@ -113,9 +113,11 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ties to the first index) and which rows are finite (a row with a NaN or
     an infinity as its largest value cannot be sampled). ``logits`` may be in
     the model's dtype: a pick that only compares values needs no float32
-    copy, and one ``max`` reads each row once for both answers."""
-    values, token_ids = logits.max(dim=-1)
-    return token_ids, torch.isfinite(values)
+    copy. Both answers come from greedy_argmax's blocks: ``logits.max(dim=-1)``
+    (values and indices) does not vectorise either, 3.3 ms a step for 32 rows
+    of float32 logits on the AVX2 EPYC."""
+    token_ids, best = _block_argmax(logits)
+    return token_ids, torch.isfinite(best)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -165,10 +167,17 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     ~0.1 ms this way, in every step. NaN compares as the maximum in both
     (amax propagates it, and argmax takes the first NaN), and so does a
     row of only -inf (index 0)."""
+    return _block_argmax(logits)[0]
+
+
+def _block_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_argmax's index and each row's maximum (NaN where the row holds
+    one)."""
     rows, vocab = logits.shape
     nblocks = vocab // _ARGMAX_BLOCK
     if rows == 0 or nblocks < 2 or logits.stride(1) != 1:
-        return logits.argmax(dim=-1)
+        values, index = logits.max(dim=-1)
+        return index, values
     main = nblocks * _ARGMAX_BLOCK
     blocks = logits.as_strided((rows, nblocks, _ARGMAX_BLOCK),
                                (logits.stride(0), _ARGMAX_BLOCK, 1))
@@ -181,7 +190,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     index = best * _ARGMAX_BLOCK + in_block
     if main < vocab:  # rows whose first maximum lies in the tail
         index = torch.where(best < nblocks, index, main + logits[:, main:].argmax(dim=-1))
-    return index
+    return index, block_max[rows_index, best]
 
 
 # A sampled row's unmasked pick stands only if its p / E beats every other

@@ -60,6 +60,28 @@ def test_greedy_pick_ties_nan_and_infinities(dtype):
     _check(rows.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_pick_over_blocks_and_the_tail(dtype):
+    """Rows wide enough for the blocked pick (1,024-value blocks and a
+    shorter tail): ties across blocks, NaN and infinities in a later block
+    or in the tail, rows of only -inf."""
+    n = VOCAB + 37
+    rows = torch.randn(9, n).clamp(-5, 5)
+    rows[0, [5000, 2000, n - 1]] = 9.0    # tied across blocks and the tail: the first
+    rows[1, n - 3] = 9.0                  # the maximum in the tail
+    rows[2, 3000] = 9.0
+    rows[2, 40000] = float("nan")         # a NaN in a later block wins
+    rows[3, n - 1] = float("nan")         # ... and in the tail
+    rows[4] = float("-inf")               # all -inf: index 0, not finite
+    rows[5, [1024, n - 2]] = float("inf")  # +inf at a block's first value
+    rows[6, :] = float("-inf")
+    rows[6, VOCAB + 5] = -3.0             # one finite value, in the tail
+    rows[7, 1023] = 9.0                   # a block's last value
+    rows[8, [0, 1024]] = 9.0              # block starts: the first
+    _check(rows.to(dtype))
+    _check(rows[:, :VOCAB].to(dtype))     # no tail
+
+
 def test_greedy_pick_takes_slices_and_no_rows():
     """What the backend passes: a slice of a padded vocabulary (a
     tensor-parallel head's logits) and a step that samples no row."""
