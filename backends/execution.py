@@ -226,6 +226,10 @@ class ExecutionPlan:
     # is granted; paged_attention.c decides the same at run time and keeps
     # VDPBF16PS for shapes the tiles do not take) or "" (the vector path).
     attention_scores: str = ""
+    # The 4-bit projections (int4, gguf Q4_*) of float32 activations on a CPU
+    # without native bf16: "native" (backends/kernels/int4_linear.c) or ""
+    # (torch's int4 kernel, bf16 activations).
+    int4_linear: str = ""
     notes: tuple[str, ...] = field(default=())
     weight_formats: tuple[str, ...] = ()  # a GGUF's projection formats (GGML types)
     # What the architecture adds (see ModelConfig); "none" where it has none.
@@ -257,8 +261,9 @@ class ExecutionPlan:
         numerics += f", {self.kv_dtype} KV"
         where = self.device + (f" ({self.cpu})" if self.cpu else "")
         kernels = f"native {self.kernels}" if self.kernels else "none"
+        linear = self.linear + (" (4-bit native)" if self.int4_linear else "")
         parts = [f"{self.dtype} on {where}: {numerics}",
-                 f"linear {self.linear}", f"lm_head {self.lm_head}",
+                 f"linear {linear}", f"lm_head {self.lm_head}",
                  f"kernels {kernels}", f"norm {self.norm}", f"rope+kv {self.rope_kv_store}",
                  f"decode attention {self.decode_attention}"
                  + (f" ({self.attention_scores} scores)" if self.attention_scores else ""),
@@ -438,6 +443,10 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # and KV where the avx512_bf16 kernels run and tile data is granted.
     amx_attention = (native and kernels == "avx512_bf16" and cpu.amx_bf16
                      and available.amx_tiles and kv == "bfloat16" and activation == "bfloat16")
+    # torch's int4 kernel is fast in bf16 only; without native bf16 it
+    # emulates it: float32 rows take the native 4-bit kernel there.
+    int4_native = (quantization in ("int4", "gguf") and native and activation == "float32"
+                   and not cpu.native_bf16 and kernels in ("avx2", "avx512"))
     step = "eager"
     if options.compile and native:
         if available.cpp_compiler:
@@ -464,4 +473,5 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,
         attention_scores="amx" if amx_attention else "",
+        int4_linear="native" if int4_native else "",
         step=step, notes=tuple(notes))

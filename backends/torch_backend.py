@@ -175,7 +175,8 @@ class TorchBackend:
                 self.quantization, self.model_config, projection_formats(loaded.source_formats))
             if why and (parallel is None or parallel.rank == 0):
                 log.info(why)
-            load_quantized(self.model, loaded.weights, self.quantization, self.device, act)
+            load_quantized(self.model, loaded.weights, self.quantization, self.device, act,
+                           plan.kernels if plan.int4_linear == "native" else None)
         else:
             weights = loaded.weights
             if plan.weight_dtype != plan.activation_dtype:

@@ -87,6 +87,28 @@ def test_plan_table(case):
     assert "\n" not in line and dtype in line and plan.linear in line
 
 
+@pytest.mark.parametrize("quant", ["int4", "gguf", "int8"])
+def test_4bit_projections_of_float32_rows_go_native_without_native_bf16(quant):
+    """torch's int4 kernel computes in bf16, which a CPU without it emulates:
+    there (AVX2, AVX-512, and a native-bf16 CPU capped to them) float32 rows
+    take the native 4-bit kernel; elsewhere, and without native kernels,
+    torch's kernel runs, and int8 always does."""
+    four_bit = quant != "int8"
+
+    def native(cpu, available=F32_ONEDNN, options=ExecutionOptions(), dtype="float32"):
+        plan = make_plan("cpu", dtype, quant, cpu, available, options)
+        assert ("4-bit native" in plan.describe()) == (plan.int4_linear == "native")
+        return plan.int4_linear == "native"
+
+    assert native(AVX2) == native(AVX512) == four_bit
+    assert native(AMX, ALL, ExecutionOptions(cpu_kind="avx2")) == four_bit
+    assert not native(AMX, ALL)                      # native bf16: torch's kernel in bf16
+    assert not native(AVX2, dtype="bfloat16")        # bf16 rows: torch's kernel
+    assert not native(AVX2, NO_CC)                   # no native kernels
+    assert not native(AVX2, ALL, OFF)
+    assert not native(AMX, ALL, ExecutionOptions(cpu_kind="portable"))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=["avx2", "avx512", "amx"])
 def test_numerics_do_not_depend_on_what_is_available(dtype, cpu):

@@ -98,6 +98,73 @@ def test_int4_kernel_matches_reference_unpacking(rows, group, bias):
     assert _rel(got, reference) < 3 * BF16_EPS
 
 
+def _native_kind_or_skip(kind: str) -> str:
+    from backends import kernels as native
+    from backends.execution import CpuFeatures
+    cpu = CpuFeatures.detect()
+    if kind not in cpu.kinds:
+        pytest.skip(f"this CPU ({cpu.describe()}) cannot run the {kind} kernels")
+    ok, reason = native.available(kind)
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"the {kind} kernels did not build: {reason}")
+        pytest.skip(f"the {kind} kernels cannot be built here: {reason}")
+    return kind
+
+
+@pytest.mark.parametrize("kind", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("out,group,bias", [(40, 32, True), (33, 64, False), (48, 128, True)])
+def test_native_int4_kernel_is_the_decoded_matrix(kind, out, group, bias):
+    """The native 4-bit kernel (float32 rows, CPUs without native bf16)
+    computes x @ W^T on W decoded as w = q * scale + min in float32: within
+    float32 summation error of float64 on the decoded matrix, at every row
+    count (1-4 share a decoding, 5 and 9 take more than one pass), and a
+    row's bits never depend on the rows beside it."""
+    kind = _native_kind_or_skip(kind)
+    gen = torch.Generator().manual_seed(out + group)
+    w = torch.randn(out, 256, generator=gen)
+    q = quantize_int4(w, group, torch.float32)
+    b = torch.randn(out, generator=gen) if bias else None
+    linear = Int4Linear(q, b, torch.device("cpu"), torch.float32, native_kind=kind)
+    assert "native" in repr(linear)
+    mins = q.zeros - 8.0 * q.scales
+    decoded = (q.codes().double().view(out, -1, group) * q.scales.double()[..., None]
+               + mins.double()[..., None]).view(out, 256)
+    x = torch.randn(9, 256, generator=gen)
+    reference = x.double() @ decoded.T + (b.double() if bias else 0.0)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(9)])
+    for rows in (1, 2, 3, 4, 5, 9):
+        got = linear(x[:rows])
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        assert torch.allclose(got.double(), reference[:rows], rtol=1e-5, atol=1e-4), rows
+        assert torch.equal(got, alone[:rows]), f"a row's bits changed with {rows} rows"
+    assert linear(x[:0]).shape == (0, out)
+    # The torch kernel's module on the same weights (bf16 activations) agrees
+    # to bf16 rounding.
+    torch_kernel = Int4Linear(q, b, torch.device("cpu"), torch.float32)
+    assert _rel(torch_kernel(x), linear(x)) < 3 * BF16_EPS
+
+
+def test_native_int4_kernel_checks_its_inputs():
+    kind = _native_kind_or_skip("portable")
+    from backends.kernels import kind_id
+    k = kind_id(kind)
+    x, codes = torch.randn(2, 64), torch.zeros(8, 32, dtype=torch.uint8)
+    scales = mins = torch.ones(8, 2)
+    op = torch.ops.baton.int4_linear
+    assert op(x, codes, scales, mins, None, 32, k).shape == (2, 8)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(x, codes, torch.ones(8, 4), torch.ones(8, 4), None, 16, k)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x.bfloat16(), codes, scales, mins, None, 32, k)
+    with pytest.raises(RuntimeError, match="codes must be uint8"):
+        op(x, codes[:, :16].contiguous(), scales, mins, None, 32, k)
+    with pytest.raises(RuntimeError, match="scales and mins must be"):
+        op(x, codes, scales[:, :1].contiguous(), mins, None, 32, k)
+    with pytest.raises(RuntimeError, match="bias must hold"):
+        op(x, codes, scales, mins, torch.zeros(3), 32, k)
+
+
 def test_int8_kernel_matches_reference_and_float():
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(72, 128, generator=gen) * 0.1, torch.randn(72, generator=gen)

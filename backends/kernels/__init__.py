@@ -53,7 +53,7 @@ log = logging.getLogger("baton.kernels")
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
     "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "decode_bf16.c",
-    "amx_bf16.c")]
+    "amx_bf16.c", "int4_linear.c")]
 _HEADERS = [_HERE / "kernels.h", _HERE / "model.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
@@ -311,6 +311,10 @@ def _register_fakes() -> None:
     @fake("baton::packed_linear")
     def _packed_linear(x, packed, bias, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
+
+    @fake("baton::int4_linear")
+    def _int4_linear(x, codes, scales, mins, bias, group, kind):
+        return x.new_empty(x.shape[0], codes.shape[0])
 
     @fake("baton::linear_tiled")
     def _linear_tiled(x, w_tiled, packed, weight, bias, out_features, gemv_rows, amx_rows, kind):

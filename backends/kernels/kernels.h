@@ -42,6 +42,7 @@
 #define baton_attention_task_qb BATON_FN(baton_attention_task_qb)
 #define baton_attention_splits BATON_FN(baton_attention_splits)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
+#define baton_int4_linear BATON_FN(baton_int4_linear)
 
 #include <math.h>
 #include <stdint.h>

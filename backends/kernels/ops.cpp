@@ -62,6 +62,8 @@ extern "C" {
                                const int64_t*, const int64_t*, int64_t, const int64_t*,      \
                                int64_t, float*, int);                                        \
   int baton_attention_amx_##kind(int);                                                       \
+  int baton_int4_linear_##kind(const float*, const uint8_t*, const float*, const float*,      \
+                               const float*, float*, int64_t, int64_t, int64_t, int64_t, int);\
   int baton_kernels_avx2_##kind(void);
 BATON_DECLARE(portable)
 BATON_DECLARE(avx2)
@@ -129,6 +131,7 @@ decltype(&baton_attention_amx_portable) const attention_amx_fn[] =
 decltype(&baton_kernels_avx2_portable) const kernels_avx2_fn[] = BATON_TABLE(baton_kernels_avx2);
 decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
     BATON_TABLE(baton_linear_amx_bf16);
+decltype(&baton_int4_linear_portable) const int4_linear_fn[] = BATON_TABLE(baton_int4_linear);
 
 bool cpu_runs(int kind) {
 #if !(defined(__x86_64__) || defined(__i386__))
@@ -400,6 +403,41 @@ at::Tensor gemv_bf16_op(const at::Tensor& x, const at::Tensor& w_tiled, int64_t 
 
 bool kind_runs(int64_t kind);
 
+// y = x @ W^T (+ bias) for float32 rows x [M, K] and 4-bit weights in groups
+// of `group` along K (int4_linear.c): codes uint8 [N, K/2], scales and mins
+// float32 [N, K/group], w = q * scale + min; bias float32 [N] or none.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& mins, const std::optional<at::Tensor>& bias,
+                       int64_t group, int64_t kind) {
+  const int k = check_kind(kind);
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "baton: x must be float32 [M, K]");
+  const int64_t m = x.size(0), kk = x.size(1);
+  check_cpu(codes, "codes");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(1) * 2 == kk,
+              "baton: codes must be uint8 [N, ", kk / 2, "]");
+  const int64_t n = codes.size(0);
+  TORCH_CHECK(group >= 32 && group % 32 == 0 && kk % group == 0,
+              "baton: the group size must be a multiple of 32 dividing ", kk);
+  for (const auto* t : {&scales, &mins}) {
+    check_like(*t, x, "scales and mins");
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == kk / group,
+                "baton: scales and mins must be [", n, ", ", kk / group, "]");
+  }
+  if (bias) {
+    check_like(*bias, x, "bias");
+    TORCH_CHECK(bias->numel() == n, "baton: bias must hold ", n, " values");
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  check_rc(int4_linear_fn[k](x.data_ptr<float>(), codes.data_ptr<uint8_t>(),
+                             scales.data_ptr<float>(), mins.data_ptr<float>(),
+                             bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), m, n,
+                             kk, group, threads()),
+           "int4_linear");
+  return y;
+}
+
 // y = x @ W^T (+ bias) on AMX tiles (amx_bf16.c) for bf16 rows x [M, K] and
 // the gemv's tiled bf16 weights; y bf16, rounded once from the float32 sum.
 // Only the avx512_bf16 kind has the tile code, and only where amx_ready says
@@ -599,6 +637,8 @@ TORCH_LIBRARY(baton, m) {
   m.def("decode_step(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
         "Tensor ctx_lens, SymInt max_ctx, Tensor[] layers, Tensor cos_table, Tensor sin_table, "
         "Tensor final_norm, int[] dims, float eps, bool act_bf16, bool amx, int kind) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, "
+        "int group, int kind) -> Tensor");
   m.def("attention_amx(int kind, int mode) -> int", attention_amx);
   m.def("kind_has_avx2(int kind) -> bool", kind_has_avx2);
   m.def("kind_runs(int kind) -> bool", kind_runs);
@@ -616,4 +656,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("packed_linear", packed_linear);
   m.impl("linear_tiled", linear_tiled);
   m.impl("decode_step", decode_step);
+  m.impl("int4_linear", int4_linear);
 }

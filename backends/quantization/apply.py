@@ -34,18 +34,22 @@ log = logging.getLogger("baton.quantization")
 
 
 def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: QuantizationSpec,
-                   device: torch.device, dtype: torch.dtype) -> Counter:
+                   device: torch.device, dtype: torch.dtype,
+                   int4_native: str | None = None) -> Counter:
     """Fill ``model`` (a DecoderLM built on the meta device) from ``weights``
-    with its projections quantized per ``spec``. Returns how many projections
-    became each module kind. Raises QuantizationError / ModelLoadError before
-    any forward pass."""
+    with its projections quantized per ``spec``. ``int4_native``: the native
+    kernels' kind that runs the 4-bit projections (float32 activations; the
+    plan's ``int4_linear``), or None for torch's int4 kernel. Returns how many
+    projections became each module kind. Raises QuantizationError /
+    ModelLoadError before any forward pass."""
     config: ModelConfig = model.config
     spec, why = resolve_group_size(spec, config)
     if why:
         log.info(why)
     check_spec(spec, config)
     for kind in _kernels_needed(spec, weights):
-        kernels.probe(kind, device, dtype)
+        if not (kind == "int4" and int4_native):
+            kernels.probe(kind, device, dtype)
     # The model's own checks (missing, misshapen, unused tensors), on meta.
     model.load_weights({name: _meta(t) for name, t in weights.items()},
                        torch.device("meta"), dtype)
@@ -59,10 +63,10 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
         if bias_spec is not None:
             bias = torch.cat([weights[source] for source in bias_spec.sources])
         if spec.mode == "gguf":
-            module, outcome = _gguf_projection(tensors, bias, device, dtype)
+            module, outcome = _gguf_projection(tensors, bias, device, dtype, int4_native)
             outcomes[outcome] += 1
         else:
-            module = _projection(spec, tensors, bias, device, dtype)
+            module = _projection(spec, tensors, bias, device, dtype, int4_native)
         kinds[type(module).__name__] += 1
         model.set_submodule(name, module)
 
@@ -121,13 +125,13 @@ def _dense(t: Any) -> torch.Tensor:
 
 
 def _projection(spec: QuantizationSpec, tensors: list[Any], bias: torch.Tensor | None,
-                device: torch.device, dtype: torch.dtype) -> nn.Module:
+                device: torch.device, dtype: torch.dtype, int4_native: str | None) -> nn.Module:
     if spec.mode == "int8":
         return Int8Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias, device, dtype)
     if spec.mode == "int4":
         return Int4Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias,
-                                     spec.group_size, device, dtype)
-    return _gguf_projection(tensors, bias, device, dtype)[0]
+                                     spec.group_size, device, dtype, int4_native)
+    return _gguf_projection(tensors, bias, device, dtype, int4_native)[0]
 
 
 # What torch lacks for the GGUF types the gguf mode dequantizes.
@@ -136,7 +140,8 @@ _NO_KERNEL = {"Q5_0": "5-bit", "Q5_1": "5-bit", "Q5_K": "5-bit", "Q6_K": "6-bit"
 
 
 def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torch.device,
-                     dtype: torch.dtype) -> tuple[nn.Module, str]:
+                     dtype: torch.dtype, int4_native: str | None = None
+                     ) -> tuple[nn.Module, str]:
     """The module for one (possibly fused) projection of a gguf-mode load,
     and what it became, for the load log. Parts of one fused module share a
     kernel only if they share a family; a mix (say Q5_0 q with Q8_0 v, or F16
@@ -145,7 +150,10 @@ def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torc
     named = "+".join(sorted(types))
     if types <= INT4_TYPES:
         module = Int4Linear(Int4Weights.cat([q4_to_int4(t) for t in tensors]), bias,
-                            device, dtype)
+                            device, dtype, int4_native)
+        if int4_native:
+            return module, (f"{named} kept as int4 groups of 32 for the native {int4_native} "
+                            f"int4 kernel (codes exact; scales and minimums in float32)")
         return module, (f"{named} kept as int4 groups of 32 for torch's int4 kernel (codes "
                         f"exact; scales and zeros in {module.scales_and_zeros.dtype})")
     if types == {"Q8_0"}:

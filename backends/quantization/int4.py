@@ -88,19 +88,36 @@ def quantize_int4(weight: torch.Tensor, group_size: int,
 
 
 class Int4Linear(nn.Module):
-    """y = x @ dequant(W).T + bias through torch's int4 kernel for the device.
+    """y = x @ dequant(W).T + bias through torch's int4 kernel for the device,
+    or, given ``native_kind`` (float32 activations on a CPU without native
+    bf16, where torch's kernel wants bf16 and emulates it), Baton's native
+    one (``torch.ops.baton.int4_linear``, backends/kernels/int4_linear.c).
 
-    Buffers: ``weight`` in the kernel's layout, ``scales_and_zeros``
-    [K/G, N', 2] in the kernel's dtype, ``bias`` [N] in the serving dtype or
-    None. N' is N rounded up to a multiple of 16 (the kernels pack rows in
-    tiles); the padding rows are zero and sliced off.
+    Buffers, torch's kernel: ``weight`` in the kernel's layout,
+    ``scales_and_zeros`` [K/G, N', 2] in the kernel's dtype, ``bias`` [N] in
+    the serving dtype or None. N' is N rounded up to a multiple of 16 (the
+    kernels pack rows in tiles); the padding rows are zero and sliced off.
+    The native kernel: ``weight`` the packed codes [N, K/2], ``scales`` and
+    ``mins`` float32 [N, K/G] (w = q * scale + min), ``bias`` float32.
     """
 
     def __init__(self, weights: Int4Weights, bias: torch.Tensor | None,
-                 device: torch.device, serving_dtype: torch.dtype) -> None:
+                 device: torch.device, serving_dtype: torch.dtype,
+                 native_kind: str | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weights.shape
         self.group_size = weights.group_size
+        self.native_kind = native_kind
+        if native_kind is not None:
+            from backends.kernels import kind_id
+            self.kind = kind_id(native_kind)
+            self.register_buffer("weight", weights.packed.contiguous())
+            self.register_buffer("scales", weights.scales.to(torch.float32).contiguous())
+            self.register_buffer("mins", (weights.zeros - 8.0 * weights.scales)
+                                 .to(torch.float32).contiguous())
+            self.register_buffer(
+                "bias", None if bias is None else bias.to(torch.float32).contiguous())
+            return
         kernel_dtype = kernels.compute_dtype("int4", device, serving_dtype)
         pad = -self.out_features % kernels.INT4_ROW_MULTIPLE
         codes, scales, zeros = weights.codes(), weights.scales, weights.zeros
@@ -116,11 +133,19 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-                   device: torch.device, serving_dtype: torch.dtype) -> Int4Linear:
-        scale_dtype = kernels.compute_dtype("int4", device, serving_dtype)
-        return cls(quantize_int4(weight, group_size, scale_dtype), bias, device, serving_dtype)
+                   device: torch.device, serving_dtype: torch.dtype,
+                   native_kind: str | None = None) -> Int4Linear:
+        scale_dtype = (torch.float32 if native_kind is not None
+                       else kernels.compute_dtype("int4", device, serving_dtype))
+        return cls(quantize_int4(weight, group_size, scale_dtype), bias, device, serving_dtype,
+                   native_kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_kind is not None:
+            return torch.ops.baton.int4_linear(
+                x.reshape(-1, self.in_features).contiguous(), self.weight, self.scales,
+                self.mins, self.bias, self.group_size, self.kind).view(
+                    *x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         y = kernels.int4_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
         if y.shape[1] != self.out_features:
@@ -131,6 +156,8 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        kernel = (f"native {self.native_kind}, float32" if self.native_kind is not None
+                  else f"kernel_dtype={self.scales_and_zeros.dtype}")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, kernel_dtype={self.scales_and_zeros.dtype}, "
+                f"group_size={self.group_size}, {kernel}, "
                 f"bias={self.bias is not None}")
