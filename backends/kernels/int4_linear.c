@@ -119,3 +119,40 @@ int baton_int4_linear(const float *x, const uint8_t *codes, const float *scales,
     free(xe);
     return 0;
 }
+
+/* W's rows [N, K] in float32 (w = q * scale + min), for a batch of many rows
+ * that a float32 matmul serves better than decoding W again every four rows. */
+int baton_int4_decode(const uint8_t *codes, const float *scales, const float *mins, float *w,
+                      int64_t N, int64_t K, int64_t group, int num_threads) {
+    if (group < 32 || group % 32 || K % group) return 1;
+    const int64_t half = K / 2, G = K / group, gb = group / 2;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *q = codes + n * half;
+        float *row = w + n * K;
+        for (int64_t g = 0, j = 0; g < G; g++) {
+            const float s = scales[n * G + g], mn = mins[n * G + g];
+#ifdef BATON_AVX2
+            const __m256i nibble = _mm256_set1_epi32(0xF);
+            const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(mn);
+            for (const int64_t end = j + gb; j < end; j += 8) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
+                const __m256 lo = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)), vs, vm);
+                const __m256 hi = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), vs, vm);
+                /* even columns in lo, odd in hi: back to column order */
+                const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);
+                _mm256_storeu_ps(row + 2 * j, _mm256_permute2f128_ps(a, b, 0x20));
+                _mm256_storeu_ps(row + 2 * j + 8, _mm256_permute2f128_ps(a, b, 0x31));
+            }
+#else
+            for (const int64_t end = j + gb; j < end; j++) {
+                row[2 * j] = fmaf((float)(q[j] & 0xF), s, mn);
+                row[2 * j + 1] = fmaf((float)(q[j] >> 4), s, mn);
+            }
+#endif
+        }
+    }
+    return 0;
+}

@@ -43,6 +43,7 @@
 #define baton_attention_splits BATON_FN(baton_attention_splits)
 #define baton_decode_bf16 BATON_FN(baton_decode_bf16)
 #define baton_int4_linear BATON_FN(baton_int4_linear)
+#define baton_int4_decode BATON_FN(baton_int4_decode)
 
 #include <math.h>
 #include <stdint.h>

@@ -64,6 +64,8 @@ extern "C" {
   int baton_attention_amx_##kind(int);                                                       \
   int baton_int4_linear_##kind(const float*, const uint8_t*, const float*, const float*,      \
                                const float*, float*, int64_t, int64_t, int64_t, int64_t, int);\
+  int baton_int4_decode_##kind(const uint8_t*, const float*, const float*, float*, int64_t,   \
+                               int64_t, int64_t, int);                                       \
   int baton_kernels_avx2_##kind(void);
 BATON_DECLARE(portable)
 BATON_DECLARE(avx2)
@@ -132,6 +134,7 @@ decltype(&baton_kernels_avx2_portable) const kernels_avx2_fn[] = BATON_TABLE(bat
 decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
     BATON_TABLE(baton_linear_amx_bf16);
 decltype(&baton_int4_linear_portable) const int4_linear_fn[] = BATON_TABLE(baton_int4_linear);
+decltype(&baton_int4_decode_portable) const int4_decode_fn[] = BATON_TABLE(baton_int4_decode);
 
 bool cpu_runs(int kind) {
 #if !(defined(__x86_64__) || defined(__i386__))
@@ -405,7 +408,12 @@ bool kind_runs(int64_t kind);
 
 // y = x @ W^T (+ bias) for float32 rows x [M, K] and 4-bit weights in groups
 // of `group` along K (int4_linear.c): codes uint8 [N, K/2], scales and mins
-// float32 [N, K/group], w = q * scale + min; bias float32 [N] or none.
+// float32 [N, K/group], w = q * scale + min; bias float32 [N] or none. Up to
+// kInt4NativeRows rows decode W in registers; more take slices of W decoded
+// to float32 (about 8 MB at a time) through torch's float32 matmul, where a
+// row's sums run in that library's order.
+constexpr int64_t kInt4NativeRows = 48;
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                        int64_t group, int64_t kind) {
@@ -430,6 +438,24 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
+  if (m > kInt4NativeRows) {
+    const int64_t slice = std::min<int64_t>(n, std::max<int64_t>(16, (int64_t{1} << 21) / kk));
+    at::Tensor w = at::empty({slice, kk}, x.options());
+    const int64_t groups = kk / group;
+    for (int64_t n0 = 0; n0 < n; n0 += slice) {
+      const int64_t rows = std::min(slice, n - n0);
+      at::Tensor ws = w.narrow(0, 0, rows);
+      check_rc(int4_decode_fn[k](codes.data_ptr<uint8_t>() + n0 * (kk / 2),
+                                 scales.data_ptr<float>() + n0 * groups,
+                                 mins.data_ptr<float>() + n0 * groups, ws.data_ptr<float>(), rows,
+                                 kk, group, threads()),
+               "int4_decode");
+      if (rows == n) at::mm_out(y, x, ws.t());
+      else y.narrow(1, n0, rows).copy_(at::mm(x, ws.t()));
+    }
+    if (bias) y.add_(*bias);
+    return y;
+  }
   check_rc(int4_linear_fn[k](x.data_ptr<float>(), codes.data_ptr<uint8_t>(),
                              scales.data_ptr<float>(), mins.data_ptr<float>(),
                              bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), m, n,
