@@ -35,6 +35,7 @@ from backends.quantization.int4 import Int4Linear, quantize_int4
 from backends.quantization.int8 import Int8Linear, dequantize_int8, quantize_int8
 from service.config import EngineArgs
 from tests.engine_helpers import assert_all_free, make_engine, run_all
+from tests.test_cpu_kernels import _kind_or_skip
 from tests.server_helpers import free_port, running_server
 from tests.test_gguf_loader import (TINY_TOKENS, llama_cpp_permute, tiny_llama_writer,
                                     write_typed_tensors)
@@ -98,20 +99,6 @@ def test_int4_kernel_matches_reference_unpacking(rows, group, bias):
     assert _rel(got, reference) < 3 * BF16_EPS
 
 
-def _native_kind_or_skip(kind: str) -> str:
-    from backends import kernels as native
-    from backends.execution import CpuFeatures
-    cpu = CpuFeatures.detect()
-    if kind not in cpu.kinds:
-        pytest.skip(f"this CPU ({cpu.describe()}) cannot run the {kind} kernels")
-    ok, reason = native.available(kind)
-    if not ok:
-        if os.environ.get("CI"):
-            pytest.fail(f"the {kind} kernels did not build: {reason}")
-        pytest.skip(f"the {kind} kernels cannot be built here: {reason}")
-    return kind
-
-
 @pytest.mark.parametrize("kind", ["portable", "avx2", "avx512"])
 @pytest.mark.parametrize("out,width,group,bias", [(40, 256, 32, True), (33, 256, 64, False),
                                                   (48, 256, 128, True), (600, 4096, 32, True)])
@@ -123,7 +110,7 @@ def test_native_int4_kernel_is_the_decoded_matrix(kind, out, width, group, bias)
     take more passes) and a row's bits never depend on the rows beside it;
     more rows go through float32 slices of W and torch's matmul (600 x 4096:
     two slices)."""
-    kind = _native_kind_or_skip(kind)
+    kind = _kind_or_skip(kind)
     gen = torch.Generator().manual_seed(out + group)
     w = torch.randn(out, width, generator=gen)
     q = quantize_int4(w, group, torch.float32)
@@ -152,7 +139,7 @@ def test_native_int4_kernel_is_the_decoded_matrix(kind, out, width, group, bias)
 
 
 def test_native_int4_kernel_checks_its_inputs():
-    kind = _native_kind_or_skip("portable")
+    kind = _kind_or_skip("portable")
     from backends.kernels import kind_id
     k = kind_id(kind)
     x, codes = torch.randn(2, 64), torch.zeros(8, 32, dtype=torch.uint8)
