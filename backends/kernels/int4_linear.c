@@ -3,16 +3,18 @@
  * blocks and --quantization int4), on CPUs without native bf16 arithmetic,
  * where torch's int4 kernel needs bf16 activations and emulates them.
  *
- *   w[n, k] = q[n, k] * scale[n, g] + min[n, g]   (one float32 rounding)
- *   y[m, n] = sum_k x[m, k] w[n, k]               (float32)
+ *   w[n, k] = q[n, k] * scale[n, g] + min[n, g],  g = k / group, q in 0..15
+ *   y[m, n] = sum_g scale[n, g] * (sum_{k in g} x[m, k] q[n, k])
+ *           + sum_g min[n, g] * (sum_{k in g} x[m, k])
  *
- * g = k / group, q in 0..15: a weight is decoded in registers, as F.linear
- * on the decoded matrix would see it, and never stored. codes [N, K/2]
+ * float32 throughout, the scales and minimums exact as given. codes [N, K/2]
  * bytes: column 2j in the low nibble, column 2j + 1 in the high one; x's even
- * and odd columns are split apart once a call, so sixteen bytes are 32
- * weights against two runs of x. Every row sums in four chains in one order
- * whatever the number of rows in the call: a row's result never depends on
- * the rows beside it. Two rows share one decoding of a weight row.
+ * and odd columns are split apart once a call (and each group's sum taken),
+ * so eight bytes are sixteen codes against two runs of x. Up to four rows
+ * share one pass over a weight row, each row's sums in one order whatever the
+ * rows beside it: a row's result never depends on its neighbours.
+ * Batches of more rows than ops.cpp's kInt4NativeRows (48) go another way:
+ * baton_int4_decode writes slices of W in float32 for torch's matmul.
  */
 #include <stdlib.h>
 
