@@ -445,8 +445,9 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
                      and available.amx_tiles and kv == "bfloat16" and activation == "bfloat16")
     # torch's int4 kernel is fast in bf16 only; without native bf16 it
     # emulates it: float32 rows take the native 4-bit kernel there.
+    # (The avx2 and avx512 kinds are the kinds without it.)
     int4_native = (quantization in ("int4", "gguf") and native and activation == "float32"
-                   and not cpu.native_bf16 and kernels in ("avx2", "avx512"))
+                   and kernels in ("avx2", "avx512"))
     step = "eager"
     if options.compile and native:
         if available.cpp_compiler:

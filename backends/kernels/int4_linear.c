@@ -103,7 +103,6 @@ int baton_int4_linear(const float *x, const uint8_t *codes, const float *scales,
                 const float *sc = scales + n * G, *mn = mins + n * G;
                 float out[INT4_ROWS];
 #ifdef BATON_AVX2
-                /* constant row counts: the accumulators stay in registers */
                 switch (rows) {  /* constant row counts: accumulators in registers */
                 case 1: int4_rows(q, sc, mn, e, o, xsm, half, G, gb, 1, out); break;
                 case 2: int4_rows(q, sc, mn, e, o, xsm, half, G, gb, 2, out); break;
