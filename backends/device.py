@@ -8,7 +8,6 @@ import mmap
 
 import torch
 
-from backends.execution import CpuFeatures
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CUDA_KV_FRACTION = 0.9  # of the memory left after the weights
@@ -36,25 +35,19 @@ def cuda_kv_budget(free: int, total: int, utilization: float | None) -> int:
     return budget
 
 
-def resolve_dtype(name: str, device: str, cpu_kind: str = "auto",
-                  quantization: str = "none") -> str:
+def resolve_dtype(name: str, device: str) -> str:
     """``auto``: the fastest correct mode of the device. On CUDA, bfloat16
     where supported, else float16. On every CPU, bfloat16 weights: decoding
     is bound by streaming them, and bf16 halves the bytes. Where the CPU has
     native bf16 arithmetic (AVX-512 BF16 / AMX) the activations are bf16
     too; elsewhere the plan computes in float32 on the bf16 weights
-    (backends/execution.py), as llama.cpp does there. Quantized linears
-    (int8 / int4 / gguf) keep float32 activations on CPUs without native
-    bf16 (``cpu_kind`` limits the CPU as ExecutionOptions does)."""
+    (backends/execution.py), as llama.cpp does there. Quantized models too:
+    their projections keep their codes, the rest (the embedding and output
+    layer above all) is held in bf16."""
     if name != "auto":
         return name
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    cpu = CpuFeatures.detect()
-    if cpu_kind != "auto":
-        cpu = cpu.limited_to(cpu_kind)
-    if quantization != "none" and not cpu.native_bf16:
-        return "float32"
     return "bfloat16"
 
 

@@ -381,7 +381,9 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # Numerics: bfloat16 on a CPU without bf16 arithmetic keeps the bf16
     # weights and KV cache and computes in float32 (as llama.cpp does there);
     # torch would otherwise emulate every bf16 op, several times slower.
-    bf16_weights = dtype == "bfloat16" and not cpu.native_bf16 and not quantized
+    # Quantized projections keep their codes; the rest of the model (the
+    # embedding and output layer above all) is what is held in bf16.
+    bf16_weights = dtype == "bfloat16" and not cpu.native_bf16
     activation = "float32" if bf16_weights else dtype
     kv = "bfloat16" if bf16_weights else activation
 
@@ -406,12 +408,12 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         linear = "onednn" if onednn else "torch"
     # The packed output projection is a second copy of the (often tied)
     # embedding: twice as fast, but quantized serving is about memory: no
-    # oneDNN copy. With bf16 activations and native kernels, the gemv's bf16
+    # oneDNN copy. With bf16 weights and native kernels, the gemv's bf16
     # tiles for a few rows (SmolLM2's output projection, 57 MB, is as many
-    # bytes as its int4 layers, and the gemv streams it ~2x faster than
-    # torch's one-row matmul) and the weight itself (the tied embedding) for
-    # more: one extra copy, the tiles.
-    if quantized and native and activation == "bfloat16":
+    # bytes as its int4 layers, and the gemv streams it 2-4x faster than
+    # torch's one-row matmul in bf16 or float32) and the weight itself (the
+    # tied embedding) for more: one extra copy, the tiles.
+    if quantized and native and (activation == "bfloat16" or bf16_weights):
         lm_head = "bf16-gemv+torch"
     elif quantized or not onednn:
         lm_head = "torch"

@@ -167,22 +167,28 @@ def bf16_weights_linears(model: nn.Module, gemv) -> int:
 
 
 class TiledHeadLinear(nn.Module):
-    """The output projection of a quantized model in native bf16: the native
-    gemv's bf16 tiles for up to ``gemv.max_rows`` rows (decoding a few
+    """The output projection of a quantized model with bf16 weights: the
+    native gemv's bf16 tiles for up to ``gemv.max_rows`` rows (decoding a few
     sequences, bound by reading the 49k x 576 matrix), ``F.linear`` on the
     weight it was given (often the tied embedding: no second copy) for more.
-    Both accumulate in float32 and round to bf16; only the summation order
-    differs. The tiles are the one extra copy."""
+    A bfloat16 weight (native bf16): both accumulate in float32 and round to
+    bf16. A float32 weight of bf16 values (the bf16-weights mode of CPUs
+    without native bf16): float32 activations, the gemv widening the tiles in
+    registers. Either way only the summation order differs. The tiles are
+    the one extra copy."""
 
     def __init__(self, weight: torch.Tensor, gemv) -> None:
         super().__init__()
-        if weight.dtype != torch.bfloat16:
-            raise ValueError(f"TiledHeadLinear takes a bfloat16 weight, not {weight.dtype}")
+        w16 = weight.detach().to(torch.bfloat16)
+        if weight.dtype not in (torch.bfloat16, torch.float32) or not torch.equal(
+                w16.to(weight.dtype), weight.detach()):
+            raise ValueError(f"TiledHeadLinear takes bfloat16 values, not {weight.dtype} "
+                             "ones bf16 does not hold")
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.gemv = gemv
         self.weight = weight  # the module's own (tied) parameter, not a copy
-        self.register_buffer("weight_tiled", gemv.tile(weight), persistent=False)
+        self.register_buffer("weight_tiled", gemv.tile(w16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.baton.linear_tiled(

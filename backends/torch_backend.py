@@ -176,7 +176,8 @@ class TorchBackend:
             if why and (parallel is None or parallel.rank == 0):
                 log.info(why)
             load_quantized(self.model, loaded.weights, self.quantization, self.device, act,
-                           plan.kernels if plan.int4_linear == "native" else None)
+                           plan.kernels if plan.int4_linear == "native" else None,
+                           DTYPES[plan.weight_dtype])
         else:
             weights = loaded.weights
             if plan.weight_dtype != plan.activation_dtype:

@@ -160,8 +160,7 @@ def _draft_proposer(spec, args: EngineArgs, backend, tokenizer):
 
 
 def create_engine(args: EngineArgs) -> EngineCore:
-    args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device,
-                                                         args.cpu_kind, args.quantization))
+    args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device))
     if args.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

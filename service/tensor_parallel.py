@@ -127,8 +127,7 @@ def run_node(args: EngineArgs) -> int:
 
     from backends.device import resolve_dtype
     # Every node must resolve "auto" alike: give --dtype explicitly on mixed machines.
-    args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device,
-                                                         args.cpu_kind, args.quantization))
+    args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.device))
     parallel = args.parallel
     specs = _specs(args, parallel.port())
     log.info("tensor parallel: node %d of %d runs ranks %s, rendezvous %s:%d",

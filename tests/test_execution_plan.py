@@ -63,8 +63,19 @@ TABLE = [
      ("float32", "float32", "float32", "onednn", "onednn", "portable", "native", 0)),
     ("avx2-int8", "cpu", "float32", "int8", AVX2, F32_ONEDNN, ExecutionOptions(),
      ("float32", "float32", "float32", "int8", "torch", "avx2", "native", 0)),
+    # Quantized without native bf16: the projections keep their codes, the
+    # rest is held in bf16 (the output layer on the gemv's tiles) with
+    # float32 arithmetic; float32 asked for, float32 everything.
     ("avx2-gguf-bf16", "cpu", "bfloat16", "gguf", AVX2, F32_ONEDNN, ExecutionOptions(),
-     ("bfloat16", "bfloat16", "bfloat16", "gguf", "bf16-gemv+torch", "avx2", "native", 0)),
+     ("float32", "bfloat16", "bfloat16", "gguf", "bf16-gemv+torch", "avx2", "native", 0)),
+    ("avx2-gguf-f32", "cpu", "float32", "gguf", AVX2, F32_ONEDNN, ExecutionOptions(),
+     ("float32", "float32", "float32", "gguf", "torch", "avx2", "native", 0)),
+    ("avx512-int4-bf16-no-compiler", "cpu", "bfloat16", "int4", AVX512, NO_CC,
+     ExecutionOptions(),
+     ("float32", "bfloat16", "bfloat16", "int4", "torch", None, "torch-sdpa", 0)),
+    ("amx-gguf-bf16", "cpu", "bfloat16", "gguf", AMX, ALL, ExecutionOptions(),
+     ("bfloat16", "bfloat16", "bfloat16", "gguf", "bf16-gemv+torch", "avx512_bf16", "native",
+      0)),
     ("cuda-bf16", "cuda", "bfloat16", "none", CpuFeatures(), Availability(), ExecutionOptions(),
      ("bfloat16", "bfloat16", "bfloat16", "torch", "torch", None, "torch-sdpa", 0)),
     ("cuda-int4", "cuda:1", "bfloat16", "int4", AMX, ALL, ExecutionOptions(),
@@ -92,7 +103,8 @@ def test_4bit_projections_of_float32_rows_go_native_without_native_bf16(quant):
     """torch's int4 kernel computes in bf16, which a CPU without it emulates:
     there (AVX2, AVX-512, and a native-bf16 CPU capped to them) float32 rows
     take the native 4-bit kernel; elsewhere, and without native kernels,
-    torch's kernel runs, and int8 always does."""
+    torch's kernel runs, and int8 always does. Asking for bfloat16 there
+    gets float32 rows on bf16 weights, so the native kernel too."""
     four_bit = quant != "int8"
 
     def native(cpu, available=F32_ONEDNN, options=ExecutionOptions(), dtype="float32"):
@@ -103,18 +115,20 @@ def test_4bit_projections_of_float32_rows_go_native_without_native_bf16(quant):
     assert native(AVX2) == native(AVX512) == four_bit
     assert native(AMX, ALL, ExecutionOptions(cpu_kind="avx2")) == four_bit
     assert not native(AMX, ALL)                      # native bf16: torch's kernel in bf16
-    assert not native(AVX2, dtype="bfloat16")        # bf16 rows: torch's kernel
+    assert native(AVX2, dtype="bfloat16") == four_bit  # bf16 weights, float32 rows
+    assert not native(AMX, ALL, dtype="bfloat16")    # bf16 rows: torch's kernel
     assert not native(AVX2, NO_CC)                   # no native kernels
     assert not native(AVX2, ALL, OFF)
     assert not native(AMX, ALL, ExecutionOptions(cpu_kind="portable"))
 
 
+@pytest.mark.parametrize("quant", ["none", "gguf"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=["avx2", "avx512", "amx"])
-def test_numerics_do_not_depend_on_what_is_available(dtype, cpu):
+def test_numerics_do_not_depend_on_what_is_available(dtype, cpu, quant):
     """A compiler, oneDNN or the fast-path switch change implementations, never
     the dtypes values are computed and stored in."""
-    plans = [make_plan("cpu", dtype, "none", cpu, available, options)
+    plans = [make_plan("cpu", dtype, quant, cpu, available, options)
              for available in (ALL, F32_ONEDNN, NO_CC, Availability())
              for options in (ExecutionOptions(), OFF)]
     numerics = {(p.activation_dtype, p.weight_dtype, p.kv_dtype) for p in plans}

@@ -304,11 +304,55 @@ def test_gguf_mode_runs_the_compiled_step_as_the_eager_one(tiny_gguf, tmp_path, 
     assert compiled.backend._compiled.graphs_compiled() == 2
 
 
+@pytest.mark.slow
+def test_gguf_mode_holds_the_rest_in_bf16_without_native_bf16(tiny_gguf, tmp_path, monkeypatch):
+    """bfloat16 (what auto picks) on a CPU without native bf16 (capped to one
+    anywhere): the 4-bit projections keep the file's blocks on the native
+    int4 kernel, float32 rows; the embedding, output layer and norms are
+    held as bf16 values, the output layer's few-row calls on the gemv's
+    tiles; the KV cache is bf16. The compiled step gives the eager one's
+    tokens and logprobs, and the float32 mode's greedy choices mostly."""
+    _kind_or_skip("avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    mode = MODES["gguf-bf16-weights"]
+    compiled = make_engine(tiny_gguf, num_kv_blocks=32, compile=None, **mode)
+    eager = make_engine(tiny_gguf, num_kv_blocks=32, **mode)
+    plan = compiled.backend.plan
+    assert (plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, plan.lm_head,
+            plan.int4_linear, plan.step) == ("float32", "bfloat16", "bfloat16",
+                                             "bf16-gemv+torch", "native", "compiled")
+    model = compiled.backend.model
+    assert type(model.lm_head).__name__ == "TiledHeadLinear"
+    for name, t in model.named_parameters():
+        if t.is_floating_point():
+            assert t.dtype == torch.float32, name
+            assert torch.equal(t, t.to(torch.bfloat16).float()), f"{name} is not bf16 values"
+    assert compiled.backend.kv_caches[0][0].dtype == torch.bfloat16
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = {f"p{i}": torch.randint(3, eager.vocab_size, (n,), generator=gen).tolist()
+               for i, n in enumerate((4, 29, 11))}
+    params = {rid: _params(i) for i, rid in enumerate(prompts)}
+    got, expected = run_all(compiled, prompts, params), run_all(eager, prompts, params)
+    for rid in prompts:
+        assert got[rid].token_ids == expected[rid].token_ids, rid
+        for a, b in zip(got[rid].logprobs or [], expected[rid].logprobs or []):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-4, (rid, a, b)
+    ids = torch.randint(3, eager.vocab_size, (48,), generator=gen).tolist()
+    f32 = _top1_along(make_engine(tiny_gguf, num_kv_blocks=32, quantization="gguf"), ids)
+    bf16 = _top1_along(eager, ids)
+    assert sum(a == b for a, b in zip(f32, bf16)) >= 0.8 * len(f32)
+
+
 # --------------------------------------------------------------- the engine
 MAX_NEW = 10
 MODES = {"int8": dict(quantization="int8"),
          "int4": dict(quantization="int4", quantization_group_size=32),
-         "gguf": dict(quantization="gguf")}
+         "gguf": dict(quantization="gguf"),
+         # bf16 asked for on a CPU without native bf16 (capped to one on any
+         # other): the projections keep the file's blocks, the rest is held in
+         # bf16, float32 arithmetic.
+         "gguf-bf16-weights": dict(quantization="gguf", dtype="bfloat16", cpu_kind="avx2")}
 SCENARIOS = {"batched": dict(), "chunked_prefill": dict(max_num_batched_tokens=7),
              "preemption": dict(num_kv_blocks=26, block_size=4, max_model_len=64)}
 LENGTHS = {"batched": (3, 17, 40, 90), "chunked_prefill": (3, 17, 40, 90),
@@ -327,6 +371,8 @@ def _params(i: int) -> SamplingParams:
 
 
 def _run(model, mode: str, lengths, **engine_kwargs):
+    if "cpu_kind" in MODES[mode]:
+        _kind_or_skip(MODES[mode]["cpu_kind"])
     core = make_engine(model, **MODES[mode], **engine_kwargs)
     gen = torch.Generator().manual_seed(len(lengths))
     prompts = {f"p{i}": torch.randint(3, core.vocab_size, (n,), generator=gen).tolist()
@@ -336,7 +382,7 @@ def _run(model, mode: str, lengths, **engine_kwargs):
 
 
 def _model_for(mode: str, request):
-    return request.getfixturevalue("tiny_gguf" if mode == "gguf" else "tiny_llama_dir")
+    return request.getfixturevalue("tiny_gguf" if mode.startswith("gguf") else "tiny_llama_dir")
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -35,13 +35,19 @@ log = logging.getLogger("baton.quantization")
 
 def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: QuantizationSpec,
                    device: torch.device, dtype: torch.dtype,
-                   int4_native: str | None = None) -> Counter:
+                   int4_native: str | None = None,
+                   weight_dtype: torch.dtype | None = None) -> Counter:
     """Fill ``model`` (a DecoderLM built on the meta device) from ``weights``
     with its projections quantized per ``spec``. ``int4_native``: the native
     kernels' kind that runs the 4-bit projections (float32 activations; the
-    plan's ``int4_linear``), or None for torch's int4 kernel. Returns how many
-    projections became each module kind. Raises QuantizationError /
-    ModelLoadError before any forward pass."""
+    plan's ``int4_linear``), or None for torch's int4 kernel.
+    ``weight_dtype``: what every tensor outside the quantized codes (the
+    embedding, output layer, norms, biases, projections a GGUF file holds
+    in a layout without a kernel) is rounded to before it is held in
+    ``dtype`` (bfloat16 in the bf16-weights mode of CPUs without native
+    bf16); None: ``dtype``. Returns how many projections became each module
+    kind. Raises QuantizationError / ModelLoadError before any forward
+    pass."""
     config: ModelConfig = model.config
     spec, why = resolve_group_size(spec, config)
     if why:
@@ -62,8 +68,10 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
         bias = None
         if bias_spec is not None:
             bias = torch.cat([weights[source] for source in bias_spec.sources])
+            bias = bias if weight_dtype is None else bias.to(weight_dtype)
         if spec.mode == "gguf":
-            module, outcome = _gguf_projection(tensors, bias, device, dtype, int4_native)
+            module, outcome = _gguf_projection(tensors, bias, device, dtype, int4_native,
+                                               weight_dtype)
             outcomes[outcome] += 1
         else:
             module = _projection(spec, tensors, bias, device, dtype, int4_native)
@@ -75,6 +83,7 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
     for tensor in weight_spec(config):
         if tensor.path not in swapped:
             value = assemble(tensor, [weights[source] for source in tensor.sources])
+            value = value if weight_dtype is None else value.to(weight_dtype)
             state[tensor.path] = value.to(device=device, dtype=dtype).contiguous()
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
@@ -140,8 +149,8 @@ _NO_KERNEL = {"Q5_0": "5-bit", "Q5_1": "5-bit", "Q5_K": "5-bit", "Q6_K": "6-bit"
 
 
 def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torch.device,
-                     dtype: torch.dtype, int4_native: str | None = None
-                     ) -> tuple[nn.Module, str]:
+                     dtype: torch.dtype, int4_native: str | None = None,
+                     weight_dtype: torch.dtype | None = None) -> tuple[nn.Module, str]:
     """The module for one (possibly fused) projection of a gguf-mode load,
     and what it became, for the load log. Parts of one fused module share a
     kernel only if they share a family; a mix (say Q5_0 q with Q8_0 v, or F16
@@ -162,12 +171,15 @@ def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torc
                                  None if bias is None else bias.to(device=device, dtype=dtype))
         return module, ("Q8_0 kept as int8 codes with an fp16 scale per 32 (exact; torch has "
                         "no block-scaled int8 kernel, so each call expands them)")
-    weight = torch.cat([_dense(t) for t in tensors]).to(device=device, dtype=dtype)
+    weight = torch.cat([_dense(t) for t in tensors])
+    weight = weight.to(device=device, dtype=weight_dtype or dtype).to(dtype)
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         linear.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
     name = str(dtype).removeprefix("torch.")
+    if weight_dtype not in (None, dtype):
+        name = f"{str(weight_dtype).removeprefix('torch.')} values in {name}"
     if types == {"unquantized"}:
         return linear, f"unquantized in the file, held in {name}"
     lacking = sorted(types - INT4_TYPES - {"Q8_0", "unquantized"})
