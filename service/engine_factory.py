@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -157,6 +158,33 @@ def _draft_proposer(spec, args: EngineArgs, backend, tokenizer):
              draft.plan.describe().split(";")[0], draft.weight_bytes / 2**20,
              draft.num_kv_blocks)
     return DraftProposer(draft)
+
+
+def create_engine_on_passing_thread(args: EngineArgs) -> EngineCore:
+    """create_engine on a thread of its own that ends with the load, for an
+    engine whose steps run on another thread (AsyncEngine's). libgomp, the
+    OpenMP runtime under torch's CPU ops and Baton's kernels, keeps a pool of
+    threads for every thread that ran a parallel region, as long as that
+    thread lives; with a second pool beside the stepping thread's it counts
+    more threads than cores, stops spinning between parallel regions, and
+    each of a step's few hundred regions waits for a sleeping thread to wake
+    (a one-row step of the embedded model in gguf mode, 2 cores: 25-28 ms
+    against 15). The loading thread's pool goes with it. (`baton serve`
+    loads on such a thread already: service/serve.py.)"""
+    box: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            box["core"] = create_engine(args)
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            box["error"] = exc
+
+    thread = threading.Thread(target=load, name="baton-load")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["core"]  # type: ignore[return-value]
 
 
 def create_engine(args: EngineArgs) -> EngineCore:

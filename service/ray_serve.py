@@ -87,7 +87,7 @@ class BatonReplica:
 
     def __init__(self, engine_args: EngineArgs, config: ServerConfig) -> None:
         from backends.host_malloc import tune_malloc
-        from service.engine_factory import create_engine
+        from service.engine_factory import create_engine_on_passing_thread
         tune_malloc()  # a replica is a process of its own
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -101,7 +101,9 @@ class BatonReplica:
         engine_args = dataclasses.replace(
             engine_args, parallel=dataclasses.replace(engine_args.parallel, pin_cpus=False))
         self.engine_args = engine_args
-        self.core = create_engine(engine_args)  # Ray routes nothing here until loaded
+        # Ray routes nothing here until loaded. Loaded on a thread that ends,
+        # so that only the step thread keeps OpenMP threads.
+        self.core = create_engine_on_passing_thread(engine_args)
         self._start_lock = asyncio.Lock()
         self._state = None
         self._base_url = ""

@@ -126,7 +126,8 @@ def _is_loopback(host: str) -> bool:
 def _load_in_background(engine_args: EngineArgs) -> asyncio.Future:
     """create_engine and the warm-up on a daemon thread: unlike the default executor, which
     asyncio.run joins on the way out, a stop during a long load need not wait
-    for the load to finish."""
+    for the load to finish. The thread ends with the load, and its OpenMP
+    threads with it (create_engine_on_passing_thread says why that matters)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 

@@ -156,3 +156,44 @@ def test_the_compile_s_workers_are_not_other_processes(tiny_llama_dir, monkeypat
             assert backend._governor.before_step() == ct.DEFAULT_THREADS
     finally:
         torch.set_num_threads(before)
+
+
+_STEP_ON_ANOTHER_THREAD = """
+import os, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from backends.interface import SamplingParams
+from service.config import EngineArgs
+from service.engine_factory import create_engine, create_engine_on_passing_thread
+args = EngineArgs(model=sys.argv[2], dtype="float32", num_kv_blocks=64, threads=2, seed=1)
+build = create_engine_on_passing_thread if sys.argv[1] == "passing" else create_engine
+core = build(args)
+steps = ThreadPoolExecutor(1)  # as AsyncEngine runs them
+core.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=8, ignore_eos=True))
+while core.has_unfinished():
+    steps.submit(core.step).result()
+time.sleep(1.0)  # a pool whose thread ended lets its workers go: give them time to exit
+print(len(os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
+                    reason="counts a Linux process's threads, with two cores or more")
+def test_an_engine_loaded_for_another_thread_leaves_no_openmp_threads_behind(tiny_llama_dir):
+    """OpenMP keeps a pool of threads per thread that ran a parallel region;
+    two pools (the loading thread's and the stepping thread's) make libgomp
+    stop spinning between regions, and every step waits on wake-ups. Loaded
+    on a thread that ends, the engine leaves one pool: the step thread's
+    (threads=2: one OpenMP worker less than a load on the main thread)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def threads_after(load: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _STEP_ON_ANOTHER_THREAD, load,
+                              str(tiny_llama_dir)], cwd=root, capture_output=True, text=True,
+                             timeout=300, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert threads_after("passing") == threads_after("main") - 1
