@@ -292,15 +292,21 @@ def test_gguf_mode_runs_the_compiled_step_as_the_eager_one(tiny_gguf, tmp_path, 
     compiled = make_engine(tiny_gguf, num_kv_blocks=32, quantization="gguf", compile=None)
     eager = make_engine(tiny_gguf, num_kv_blocks=32, quantization="gguf")
     assert (compiled.backend.plan.step, eager.backend.plan.step) == ("compiled", "eager")
-    gen = torch.Generator().manual_seed(3)
+    _compiled_gives_eager(compiled, eager, (4, 29), torch.Generator().manual_seed(3), 1e-5)
+
+
+def _compiled_gives_eager(compiled, eager, lengths, gen, atol: float) -> None:
+    """Greedy and seeded requests of ``lengths`` random prompt tokens: the
+    compiled engine's tokens are the eager one's, logprobs within ``atol``,
+    and it ran the warm-up's two graphs only."""
     prompts = {f"p{i}": torch.randint(3, eager.vocab_size, (n,), generator=gen).tolist()
-               for i, n in enumerate((4, 29))}
+               for i, n in enumerate(lengths)}
     params = {rid: _params(i) for i, rid in enumerate(prompts)}
     got, expected = run_all(compiled, prompts, params), run_all(eager, prompts, params)
     for rid in prompts:
         assert got[rid].token_ids == expected[rid].token_ids, rid
         for a, b in zip(got[rid].logprobs or [], expected[rid].logprobs or []):
-            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-5, (rid, a, b)
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= atol, (rid, a, b)
     assert compiled.backend._compiled.graphs_compiled() == 2
 
 
@@ -330,14 +336,7 @@ def test_gguf_mode_holds_the_rest_in_bf16_without_native_bf16(tiny_gguf, tmp_pat
     assert compiled.backend.kv_caches[0][0].dtype == torch.bfloat16
 
     gen = torch.Generator().manual_seed(3)
-    prompts = {f"p{i}": torch.randint(3, eager.vocab_size, (n,), generator=gen).tolist()
-               for i, n in enumerate((4, 29, 11))}
-    params = {rid: _params(i) for i, rid in enumerate(prompts)}
-    got, expected = run_all(compiled, prompts, params), run_all(eager, prompts, params)
-    for rid in prompts:
-        assert got[rid].token_ids == expected[rid].token_ids, rid
-        for a, b in zip(got[rid].logprobs or [], expected[rid].logprobs or []):
-            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-4, (rid, a, b)
+    _compiled_gives_eager(compiled, eager, (4, 29, 11), gen, 1e-4)
     ids = torch.randint(3, eager.vocab_size, (48,), generator=gen).tolist()
     f32 = _top1_along(make_engine(tiny_gguf, num_kv_blocks=32, quantization="gguf"), ids)
     bf16 = _top1_along(eager, ids)
