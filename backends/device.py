@@ -8,7 +8,6 @@ import mmap
 
 import torch
 
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CUDA_KV_FRACTION = 0.9  # of the memory left after the weights
 
