@@ -135,12 +135,12 @@ def _dense(t: Any) -> torch.Tensor:
 
 def _projection(spec: QuantizationSpec, tensors: list[Any], bias: torch.Tensor | None,
                 device: torch.device, dtype: torch.dtype, int4_native: str | None) -> nn.Module:
+    """An int8 or int4 projection quantized from the float weights (gguf mode
+    keeps the file's blocks: _gguf_projection)."""
     if spec.mode == "int8":
         return Int8Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias, device, dtype)
-    if spec.mode == "int4":
-        return Int4Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias,
-                                     spec.group_size, device, dtype, int4_native)
-    return _gguf_projection(tensors, bias, device, dtype, int4_native)[0]
+    return Int4Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias,
+                                 spec.group_size, device, dtype, int4_native)
 
 
 # What torch lacks for the GGUF types the gguf mode dequantizes.
