@@ -227,8 +227,10 @@ class ExecutionPlan:
     # VDPBF16PS for shapes the tiles do not take) or "" (the vector path).
     attention_scores: str = ""
     # The 4-bit projections (int4, gguf Q4_*) of float32 activations on a CPU
-    # without native bf16: "native" (backends/kernels/int4_linear.c) or ""
-    # (torch's int4 kernel, bf16 activations).
+    # without native bf16: "native" (backends/kernels/int4_linear.c, float32
+    # arithmetic on the decoded weights), "native-q8" (the same kernels'
+    # 8-bit rows: the bf16-weights mode's numerics, as llama.cpp computes a
+    # 4-bit GGUF) or "" (torch's int4 kernel, bf16 activations).
     int4_linear: str = ""
     notes: tuple[str, ...] = field(default=())
     weight_formats: tuple[str, ...] = ()  # a GGUF's projection formats (GGML types)
@@ -261,7 +263,8 @@ class ExecutionPlan:
         numerics += f", {self.kv_dtype} KV"
         where = self.device + (f" ({self.cpu})" if self.cpu else "")
         kernels = f"native {self.kernels}" if self.kernels else "none"
-        linear = self.linear + (" (4-bit native)" if self.int4_linear else "")
+        linear = self.linear + {"native": " (4-bit native)",
+                                "native-q8": " (4-bit native, 8-bit rows)"}.get(self.int4_linear, "")
         parts = [f"{self.dtype} on {where}: {numerics}",
                  f"linear {linear}", f"lm_head {self.lm_head}",
                  f"kernels {kernels}", f"norm {self.norm}", f"rope+kv {self.rope_kv_store}",
@@ -447,7 +450,10 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
                      and available.amx_tiles and kv == "bfloat16" and activation == "bfloat16")
     # torch's int4 kernel is fast in bf16 only; without native bf16 it
     # emulates it: float32 rows take the native 4-bit kernel there.
-    # (The avx2 and avx512 kinds are the kinds without it.)
+    # (The avx2 and avx512 kinds are the kinds without it.) In the
+    # bf16-weights mode (auto) it rounds each block of 32 of a row to int8
+    # and multiplies in integers (VPMADDUBSW: 1.5-2x the float32 decoding at
+    # one row, AVX2 EPYC); --dtype float32 keeps float32 arithmetic.
     int4_native = (quantization in ("int4", "gguf") and native and activation == "float32"
                    and kernels in ("avx2", "avx512"))
     step = "eager"
@@ -476,5 +482,5 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,
         attention_scores="amx" if amx_attention else "",
-        int4_linear="native" if int4_native else "",
+        int4_linear=("native-q8" if bf16_weights else "native") if int4_native else "",
         step=step, notes=tuple(notes))

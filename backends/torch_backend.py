@@ -176,8 +176,8 @@ class TorchBackend:
             if why and (parallel is None or parallel.rank == 0):
                 log.info(why)
             load_quantized(self.model, loaded.weights, self.quantization, self.device, act,
-                           plan.kernels if plan.int4_linear == "native" else None,
-                           DTYPES[plan.weight_dtype])
+                           plan.kernels if plan.int4_linear else None,
+                           DTYPES[plan.weight_dtype], int4_q8=plan.int4_linear == "native-q8")
         else:
             weights = loaded.weights
             if plan.weight_dtype != plan.activation_dtype:

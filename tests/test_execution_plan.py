@@ -104,13 +104,17 @@ def test_4bit_projections_of_float32_rows_go_native_without_native_bf16(quant):
     there (AVX2, AVX-512, and a native-bf16 CPU capped to them) float32 rows
     take the native 4-bit kernel; elsewhere, and without native kernels,
     torch's kernel runs, and int8 always does. Asking for bfloat16 there
-    gets float32 rows on bf16 weights, so the native kernel too."""
+    gets float32 rows on bf16 weights, so the native kernel too, with its
+    rows rounded to int8 blocks (the bf16-weights mode's numerics)."""
     four_bit = quant != "int8"
 
     def native(cpu, available=F32_ONEDNN, options=ExecutionOptions(), dtype="float32"):
         plan = make_plan("cpu", dtype, quant, cpu, available, options)
-        assert ("4-bit native" in plan.describe()) == (plan.int4_linear == "native")
-        return plan.int4_linear == "native"
+        assert ("4-bit native" in plan.describe()) == bool(plan.int4_linear)
+        # float32 asked for: float32 arithmetic; bf16 weights: 8-bit rows
+        assert plan.int4_linear in ("", "native" if dtype == "float32" else "native-q8")
+        assert ("8-bit rows" in plan.describe()) == (plan.int4_linear == "native-q8")
+        return bool(plan.int4_linear)
 
     assert native(AVX2) == native(AVX512) == four_bit
     assert native(AMX, ALL, ExecutionOptions(cpu_kind="avx2")) == four_bit

@@ -138,6 +138,63 @@ def test_native_int4_kernel_is_the_decoded_matrix(kind, out, width, group, bias)
     assert _rel(torch_kernel(x), linear(x)) < 3 * BF16_EPS
 
 
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's blocks of 32 as the 8-bit rows kernel rounds them: codes
+    nearest-even(x * (127 / max|x|)) and scale max|x| / 127 (float32 ops)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    peak = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(peak > 0, 127.0 / peak, torch.zeros_like(peak))
+    return torch.round(blocks * inverse), peak / 127.0
+
+
+@pytest.mark.parametrize("kind", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("out,width,group,bias", [(40, 256, 32, True), (33, 320, 64, False),
+                                                  (48, 1024, 128, True), (17, 96, 32, False),
+                                                  (600, 4096, 32, True), (9, 576, 32, False)])
+def test_native_int4_kernel_with_int8_rows(kind, out, width, group, bias):
+    """The 8-bit rows of the native 4-bit kernel (``q8``: the bf16-weights
+    mode's numerics): each block of 32 of a row rounded to int8 on its own
+    scale, the codes' products summed exactly in integers, then
+    sum_b isum * (scale * d) + sum_g min * (the group's float32 sum of x).
+    Within float32 summation error of that formula in float64, at every row
+    count (1 to 64, one way), a row's bits never depending on the rows
+    beside it; within the rounding's own bound of the float32 product. Block
+    counts that leave 0, 2 and 3 blocks after runs of eight, and a last
+    block alone (96 = 3 blocks, 320 = 10)."""
+    kind = _kind_or_skip(kind)
+    gen = torch.Generator().manual_seed(out + width)
+    w = torch.randn(out, width, generator=gen)
+    q = quantize_int4(w, group, torch.float32)
+    b = torch.randn(out, generator=gen) if bias else None
+    linear = Int4Linear(q, b, torch.device("cpu"), torch.float32, native_kind=kind, q8=True)
+    assert "int8 rows" in repr(linear)
+    x = torch.randn(64, width, generator=gen)
+    x[:, ::37] *= 20.0  # outliers: blocks whose scale they set
+    codes, d = _int8_rows(x)
+    mins = (q.zeros - 8.0 * q.scales).double()
+    scaled = (q.codes().double().view(out, -1, group) * q.scales.double()[..., None]).view(out, width)
+    x8 = (codes.double() * d.double()).view(64, width)
+    xsum = x.view(64, -1, group).sum(-1).double()
+    extra = b.double() if bias else 0.0
+    formula = x8 @ scaled.T + xsum @ mins.T + extra
+    bound = 1e-6 * (x8.abs() @ scaled.abs().T + xsum.abs() @ mins.abs().T + (
+        b.double().abs() if bias else 0.0))
+    # what rounding the rows costs, at most: half a step of each block's scale
+    decoded = q.dequantize().double()
+    exact = x.double() @ decoded.T + extra
+    rounding = (d.double().expand(-1, -1, 32).reshape(64, width) / 2) @ scaled.abs().T
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(64)])
+    for rows in (1, 2, 3, 4, 5, 9, 48, 49, 64):
+        got = linear(x[:rows])
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        assert ((got.double() - formula[:rows]).abs() <= bound[:rows]).all(), rows
+        assert torch.equal(got, alone[:rows]), f"a row's bits changed with {rows} rows"
+    assert ((alone.double() - exact).abs() <= rounding + bound).all()
+    assert linear(x[:0]).shape == (0, out)
+    with pytest.raises(ValueError, match="native int4 kernel"):
+        Int4Linear(q, b, torch.device("cpu"), torch.float32, q8=True)
+
+
 def test_native_int4_kernel_checks_its_inputs():
     kind = _kind_or_skip("portable")
     from backends.kernels import kind_id
@@ -146,6 +203,7 @@ def test_native_int4_kernel_checks_its_inputs():
     scales = mins = torch.ones(8, 2)
     op = torch.ops.baton.int4_linear
     assert op(x, codes, scales, mins, None, 32, k).shape == (2, 8)
+    assert op(x, codes, scales, mins, None, 32, k, True).shape == (2, 8)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(x, codes, torch.ones(8, 4), torch.ones(8, 4), None, 16, k)
     with pytest.raises(RuntimeError, match="float32"):
@@ -326,7 +384,7 @@ def test_gguf_mode_holds_the_rest_in_bf16_without_native_bf16(tiny_gguf, tmp_pat
     plan = compiled.backend.plan
     assert (plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, plan.lm_head,
             plan.int4_linear, plan.step) == ("float32", "bfloat16", "bfloat16",
-                                             "bf16-gemv+torch", "native", "compiled")
+                                             "bf16-gemv+torch", "native-q8", "compiled")
     model = compiled.backend.model
     assert type(model.lm_head).__name__ == "TiledHeadLinear"
     for name, t in model.named_parameters():

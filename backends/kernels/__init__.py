@@ -313,7 +313,7 @@ def _register_fakes() -> None:
         return x.new_empty(*x.shape[:-1], out_features)
 
     @fake("baton::int4_linear")
-    def _int4_linear(x, codes, scales, mins, bias, group, kind):
+    def _int4_linear(x, codes, scales, mins, bias, group, kind, q8=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @fake("baton::linear_tiled")

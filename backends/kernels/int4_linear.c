@@ -15,6 +15,18 @@
  * rows beside it: a row's result never depends on its neighbours.
  * Batches of more rows than ops.cpp's kInt4NativeRows (48) go another way:
  * baton_int4_decode writes slices of W in float32 for torch's matmul.
+ *
+ * baton_int4_linear_q8 computes with 8-bit rows (the bf16-weights mode's
+ * numerics, llama.cpp's for 4-bit GGUF types): each block of 32 columns of a
+ * row of x is rounded to int8 codes c on its own scale d = max|x| / 127
+ * (c = nearest-even(x * (127 / max|x|))), so a block's products are exact
+ * integer sums:
+ *
+ *   y[m, n] = sum_b isum[b] * (scale[n, g(b)] * d[m, b]) + sum_g min[n, g] * xsum[m, g]
+ *
+ * with isum[b] = sum_{k in b} c[m, k] q[n, k] (u8 x s8 pairs, VPMADDUBSW) and
+ * xsum the group's float32 sum of x, at every row count, each row's sums in
+ * one order whatever the rows beside it.
  */
 #include <stdlib.h>
 
@@ -118,6 +130,181 @@ int baton_int4_linear(const float *x, const uint8_t *codes, const float *scales,
         }
     }
     free(xe);
+    return 0;
+}
+
+/* 8-bit rows: c [K] in pair layout (blocks 2i and 2i + 1 in 64 bytes: even
+ * columns of 2i, of 2i + 1, odd columns of 2i, of 2i + 1; a last block alone
+ * is [even | odd]), matching a 32-byte load of two blocks' codes split into
+ * low and high nibbles; d [K / 32] the blocks' scales. */
+static void q8_quantize_row(const float *x, int64_t K, int64_t group, int8_t *c, float *d,
+                            float *xs) {
+    const int64_t B = K / 32;
+    for (int64_t b = 0; b < B; b++) {
+        float a = 0.0f;
+        for (int k = 0; k < 32; k++) a = fmaxf(a, fabsf(x[32 * b + k]));
+        const float id = a > 0.0f ? 127.0f / a : 0.0f;
+        const int64_t pair = b & ~(int64_t)1, single = pair + 1 >= B;
+        const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair), odd = even + (single ? 16 : 32);
+        for (int j = 0; j < 16; j++) {
+            c[even + j] = (int8_t)nearbyintf(x[32 * b + 2 * j] * id);
+            c[odd + j] = (int8_t)nearbyintf(x[32 * b + 2 * j + 1] * id);
+        }
+        d[b] = a / 127.0f;
+    }
+    for (int64_t g = 0; g < K / group; g++) {
+        float sum = 0.0f;
+        for (int64_t k = g * group; k < (g + 1) * group; k++) sum += x[k];
+        xs[g] = sum;
+    }
+}
+
+#ifdef BATON_AVX2
+static inline __attribute__((always_inline)) void q8_rows(
+        const uint8_t *q, const float *scale, const float *min, const int8_t *c, const float *d,
+        const float *xs, int64_t K, int64_t G, int ratio, __m256i order, __m256i mask,
+        const int rows, float *out) {
+    const int64_t B = K / 32;
+    /* where the horizontal adds leave block j of eight: lane kPos[j] */
+    const __m256i pos = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[INT4_ROWS];
+    __m128 tail[INT4_ROWS];
+    for (int m = 0; m < rows; m++) {
+        acc[m] = _mm256_setzero_ps();
+        tail[m] = _mm_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 8 <= B; b += 8) {  /* 8 blocks: 4 loads of two blocks' codes */
+        __m256i lo[4], hi[4];
+        for (int p = 0; p < 4; p++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * (b + 2 * p)));
+            lo[p] = _mm256_and_si256(v, nibble);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+        /* the 8 blocks' weight scales (a group of 32 * ratio columns has one) */
+        const __m256 s = ratio == 1 ? _mm256_loadu_ps(scale + b)
+            : _mm256_permutevar8x32_ps(_mm256_maskload_ps(scale + b / ratio, mask), order);
+        for (int m = 0; m < rows; m++) {
+            const int8_t *cm = c + m * K + 32 * b;
+            __m256i p32[4];
+            for (int p = 0; p < 4; p++) {
+                const __m256i e = _mm256_maddubs_epi16(
+                    lo[p], _mm256_loadu_si256((const __m256i *)(cm + 64 * p)));
+                const __m256i o = _mm256_maddubs_epi16(
+                    hi[p], _mm256_loadu_si256((const __m256i *)(cm + 64 * p + 32)));
+                p32[p] = _mm256_madd_epi16(_mm256_add_epi16(e, o), ones);
+            }
+            const __m256i isum = _mm256_permutevar8x32_epi32(
+                _mm256_hadd_epi32(_mm256_hadd_epi32(p32[0], p32[1]),
+                                  _mm256_hadd_epi32(p32[2], p32[3])), pos);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                     _mm256_mul_ps(s, _mm256_loadu_ps(d + m * B + b)), acc[m]);
+        }
+    }
+    for (; b < B; b++) {  /* the last B % 8 blocks one at a time */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * b));
+        const __m128i lo = _mm_and_si128(v, _mm256_castsi256_si128(nibble));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm256_castsi256_si128(nibble));
+        const int64_t pair = b & ~(int64_t)1, single = pair + 1 >= B;
+        const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair), odd = even + (single ? 16 : 32);
+        for (int m = 0; m < rows; m++) {
+            const int8_t *cm = c + m * K;
+            const __m128i e = _mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i *)(cm + even)));
+            const __m128i o = _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i *)(cm + odd)));
+            const __m128i p = _mm_madd_epi16(_mm_add_epi16(e, o), _mm256_castsi256_si128(ones));
+            tail[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(scale[b / ratio] * d[m * B + b]),
+                                   tail[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        __m256 mv = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8)
+            mv = _mm256_fmadd_ps(_mm256_loadu_ps(min + g), _mm256_loadu_ps(xs + m * G + g), mv);
+        float mt = 0.0f;
+        for (; g < G; g++) mt = fmaf(min[g], xs[m * G + g], mt);
+        out[m] = baton_hsum256(_mm256_add_ps(acc[m], _mm256_zextps128_ps256(tail[m])))
+               + (baton_hsum256(mv) + mt);
+    }
+}
+#endif
+
+#ifndef BATON_AVX2
+/* The same sums in plain C: each block's integer sum exact, the float terms
+ * in block order (bits differ from the AVX2 order within float32 rounding). */
+static void q8_rows_generic(const uint8_t *q, const float *scale, const float *min,
+                            const int8_t *c, const float *d, const float *xs, int64_t K,
+                            int64_t G, int ratio, int rows, float *out) {
+    const int64_t B = K / 32;
+    for (int m = 0; m < rows; m++) {
+        const int8_t *cm = c + m * K;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t pair = b & ~(int64_t)1, single = pair + 1 >= B;
+            const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair);
+            const int64_t odd = even + (single ? 16 : 32);
+            int32_t isum = 0;
+            for (int j = 0; j < 16; j++)
+                isum += (q[16 * b + j] & 0xF) * cm[even + j] + (q[16 * b + j] >> 4) * cm[odd + j];
+            acc = fmaf((float)isum, scale[b / ratio] * d[m * B + b], acc);
+        }
+        float mt = 0.0f;
+        for (int64_t g = 0; g < G; g++) mt = fmaf(min[g], xs[m * G + g], mt);
+        out[m] = acc + mt;
+    }
+}
+#endif
+
+int baton_int4_linear_q8(const float *x, const uint8_t *codes, const float *scales,
+                         const float *mins, const float *bias, float *y, int64_t M, int64_t N,
+                         int64_t K, int64_t group, int num_threads) {
+    if (group < 32 || group > 256 || group % 32 || K % group) return 1;
+    const int64_t half = K / 2, G = K / group, B = K / 32;
+    const int ratio = (int)(group / 32);
+    int8_t *c = (int8_t *)malloc(M * K + sizeof(float) * M * (B + G));
+    if (c == NULL) return 2;
+    float *d = (float *)(c + M * K), *xs = d + M * B;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (M > 8)
+    for (int64_t m = 0; m < M; m++)
+        q8_quantize_row(x + m * K, K, group, c + m * K, d + m * B, xs + m * G);
+#ifdef BATON_AVX2
+    int32_t order[8], mask[8];  /* lane i of a run of 8 blocks: scale i / ratio */
+    for (int i = 0; i < 8; i++) {
+        order[i] = i / ratio;
+        mask[i] = i < 8 / ratio ? -1 : 0;
+    }
+    const __m256i vorder = _mm256_loadu_si256((const __m256i *)order);
+    const __m256i vmask = _mm256_loadu_si256((const __m256i *)mask);
+#endif
+    const int64_t chunks = (N + INT4_CHUNK - 1) / INT4_CHUNK;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < chunks; t++) {
+        const int64_t n1 = t * INT4_CHUNK + INT4_CHUNK < N ? t * INT4_CHUNK + INT4_CHUNK : N;
+        for (int64_t m0 = 0; m0 < M; m0 += INT4_ROWS) {
+            const int rows = M - m0 < INT4_ROWS ? (int)(M - m0) : INT4_ROWS;
+            const int8_t *cm = c + m0 * K;
+            const float *dm = d + m0 * B, *xsm = xs + m0 * G;
+            for (int64_t n = t * INT4_CHUNK; n < n1; n++) {
+                const uint8_t *q = codes + n * half;
+                const float *sc = scales + n * G, *mn = mins + n * G;
+                float out[INT4_ROWS];
+#ifdef BATON_AVX2
+                switch (rows) {
+                case 1: q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, 1, out); break;
+                case 2: q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, 2, out); break;
+                case 3: q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, 3, out); break;
+                default: q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, 4, out); break;
+                }
+#else
+                q8_rows_generic(q, sc, mn, cm, dm, xsm, K, G, ratio, rows, out);
+#endif
+                for (int m = 0; m < rows; m++)
+                    y[(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.0f);
+            }
+        }
+    }
+    free(c);
     return 0;
 }
 

@@ -66,6 +66,8 @@ extern "C" {
                                const float*, float*, int64_t, int64_t, int64_t, int64_t, int);\
   int baton_int4_decode_##kind(const uint8_t*, const float*, const float*, float*, int64_t,   \
                                int64_t, int64_t, int);                                       \
+  int baton_int4_linear_q8_##kind(const float*, const uint8_t*, const float*, const float*,   \
+                                  const float*, float*, int64_t, int64_t, int64_t, int64_t, int);\
   int baton_kernels_avx2_##kind(void);
 BATON_DECLARE(portable)
 BATON_DECLARE(avx2)
@@ -135,6 +137,8 @@ decltype(&baton_linear_amx_bf16_portable) const linear_amx_fn[] =
     BATON_TABLE(baton_linear_amx_bf16);
 decltype(&baton_int4_linear_portable) const int4_linear_fn[] = BATON_TABLE(baton_int4_linear);
 decltype(&baton_int4_decode_portable) const int4_decode_fn[] = BATON_TABLE(baton_int4_decode);
+decltype(&baton_int4_linear_q8_portable) const int4_linear_q8_fn[] =
+    BATON_TABLE(baton_int4_linear_q8);
 
 bool cpu_runs(int kind) {
 #if !(defined(__x86_64__) || defined(__i386__))
@@ -411,12 +415,13 @@ bool kind_runs(int64_t kind);
 // float32 [N, K/group], w = q * scale + min; bias float32 [N] or none. Up to
 // kInt4NativeRows rows decode W in registers; more take slices of W decoded
 // to float32 (about 8 MB at a time) through torch's float32 matmul, where a
-// row's sums run in that library's order.
+// row's sums run in that library's order. q8: rows rounded to int8 in blocks
+// of 32 and integer products (baton_int4_linear_q8), at every row count.
 constexpr int64_t kInt4NativeRows = 48;
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& mins, const std::optional<at::Tensor>& bias,
-                       int64_t group, int64_t kind) {
+                       int64_t group, int64_t kind, bool q8) {
   const int k = check_kind(kind);
   check_cpu(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "baton: x must be float32 [M, K]");
@@ -438,6 +443,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
+  if (q8) {
+    TORCH_CHECK(group <= 256, "baton: 8-bit rows take groups of at most 256");
+    check_rc(int4_linear_q8_fn[k](x.data_ptr<float>(), codes.data_ptr<uint8_t>(),
+                                  scales.data_ptr<float>(), mins.data_ptr<float>(),
+                                  bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                                  m, n, kk, group, threads()),
+             "int4_linear_q8");
+    return y;
+  }
   if (m > kInt4NativeRows) {
     const int64_t slice = std::min<int64_t>(n, std::max<int64_t>(16, (int64_t{1} << 21) / kk));
     at::Tensor w = at::empty({slice, kk}, x.options());
@@ -664,7 +678,7 @@ TORCH_LIBRARY(baton, m) {
         "Tensor ctx_lens, SymInt max_ctx, Tensor[] layers, Tensor cos_table, Tensor sin_table, "
         "Tensor final_norm, int[] dims, float eps, bool act_bf16, bool amx, int kind) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, "
-        "int group, int kind) -> Tensor");
+        "int group, int kind, bool q8=False) -> Tensor");
   m.def("attention_amx(int kind, int mode) -> int", attention_amx);
   m.def("kind_has_avx2(int kind) -> bool", kind_has_avx2);
   m.def("kind_runs(int kind) -> bool", kind_runs);

@@ -36,11 +36,12 @@ log = logging.getLogger("baton.quantization")
 def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: QuantizationSpec,
                    device: torch.device, dtype: torch.dtype,
                    int4_native: str | None = None,
-                   weight_dtype: torch.dtype | None = None) -> Counter:
+                   weight_dtype: torch.dtype | None = None, int4_q8: bool = False) -> Counter:
     """Fill ``model`` (a DecoderLM built on the meta device) from ``weights``
     with its projections quantized per ``spec``. ``int4_native``: the native
     kernels' kind that runs the 4-bit projections (float32 activations; the
-    plan's ``int4_linear``), or None for torch's int4 kernel.
+    plan's ``int4_linear``), or None for torch's int4 kernel; ``int4_q8``:
+    that kernel rounds rows to int8 blocks (plan ``native-q8``).
     ``weight_dtype``: what every tensor outside the quantized codes (the
     embedding, output layer, norms, biases, projections a GGUF file holds
     in a layout without a kernel) is rounded to before it is held in
@@ -71,10 +72,10 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
             bias = bias if weight_dtype is None else bias.to(weight_dtype)
         if spec.mode == "gguf":
             module, outcome = _gguf_projection(tensors, bias, device, dtype, int4_native,
-                                               weight_dtype)
+                                               weight_dtype, int4_q8)
             outcomes[outcome] += 1
         else:
-            module = _projection(spec, tensors, bias, device, dtype, int4_native)
+            module = _projection(spec, tensors, bias, device, dtype, int4_native, int4_q8)
         kinds[type(module).__name__] += 1
         model.set_submodule(name, module)
 
@@ -134,13 +135,14 @@ def _dense(t: Any) -> torch.Tensor:
 
 
 def _projection(spec: QuantizationSpec, tensors: list[Any], bias: torch.Tensor | None,
-                device: torch.device, dtype: torch.dtype, int4_native: str | None) -> nn.Module:
+                device: torch.device, dtype: torch.dtype, int4_native: str | None,
+                int4_q8: bool = False) -> nn.Module:
     """An int8 or int4 projection quantized from the float weights (gguf mode
     keeps the file's blocks: _gguf_projection)."""
     if spec.mode == "int8":
         return Int8Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias, device, dtype)
     return Int4Linear.from_float(torch.cat([_dense(t) for t in tensors]), bias,
-                                 spec.group_size, device, dtype, int4_native)
+                                 spec.group_size, device, dtype, int4_native, int4_q8)
 
 
 # What torch lacks for the GGUF types the gguf mode dequantizes.
@@ -150,7 +152,8 @@ _NO_KERNEL = {"Q5_0": "5-bit", "Q5_1": "5-bit", "Q5_K": "5-bit", "Q6_K": "6-bit"
 
 def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torch.device,
                      dtype: torch.dtype, int4_native: str | None = None,
-                     weight_dtype: torch.dtype | None = None) -> tuple[nn.Module, str]:
+                     weight_dtype: torch.dtype | None = None,
+                     int4_q8: bool = False) -> tuple[nn.Module, str]:
     """The module for one (possibly fused) projection of a gguf-mode load,
     and what it became, for the load log. Parts of one fused module share a
     kernel only if they share a family; a mix (say Q5_0 q with Q8_0 v, or F16
@@ -159,10 +162,11 @@ def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torc
     named = "+".join(sorted(types))
     if types <= INT4_TYPES:
         module = Int4Linear(Int4Weights.cat([q4_to_int4(t) for t in tensors]), bias,
-                            device, dtype, int4_native)
+                            device, dtype, int4_native, int4_q8)
         if int4_native:
+            rows = "rows rounded to int8 blocks of 32" if int4_q8 else "float32 arithmetic"
             return module, (f"{named} kept as int4 groups of 32 for the native {int4_native} "
-                            f"int4 kernel (codes exact; scales and minimums in float32)")
+                            f"int4 kernel (codes exact; scales and minimums in float32; {rows})")
         return module, (f"{named} kept as int4 groups of 32 for torch's int4 kernel (codes "
                         f"exact; scales and zeros in {module.scales_and_zeros.dtype})")
     if types == {"Q8_0"}:

@@ -93,6 +93,10 @@ class Int4Linear(nn.Module):
     bf16, where torch's kernel wants bf16 and emulates it), Baton's native
     one (``torch.ops.baton.int4_linear``, backends/kernels/int4_linear.c).
 
+    ``q8`` (native kernel only): each block of 32 columns of a row is
+    rounded to int8 on its own scale and multiplied in integers
+    (int4_linear.c, baton_int4_linear_q8), the bf16-weights mode's numerics.
+
     Buffers, torch's kernel: ``weight`` in the kernel's layout,
     ``scales_and_zeros`` [K/G, N', 2] in the kernel's dtype, ``bias`` [N] in
     the serving dtype or None. N' is N rounded up to a multiple of 16 (the
@@ -103,8 +107,11 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weights: Int4Weights, bias: torch.Tensor | None,
                  device: torch.device, serving_dtype: torch.dtype,
-                 native_kind: str | None = None) -> None:
+                 native_kind: str | None = None, q8: bool = False) -> None:
         super().__init__()
+        if q8 and native_kind is None:
+            raise ValueError("8-bit rows need the native int4 kernel")
+        self.q8 = q8
         self.out_features, self.in_features = weights.shape
         self.group_size = weights.group_size
         self.native_kind = native_kind
@@ -134,17 +141,17 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                    device: torch.device, serving_dtype: torch.dtype,
-                   native_kind: str | None = None) -> Int4Linear:
+                   native_kind: str | None = None, q8: bool = False) -> Int4Linear:
         scale_dtype = (torch.float32 if native_kind is not None
                        else kernels.compute_dtype("int4", device, serving_dtype))
         return cls(quantize_int4(weight, group_size, scale_dtype), bias, device, serving_dtype,
-                   native_kind)
+                   native_kind, q8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_kind is not None:
             return torch.ops.baton.int4_linear(
                 x.reshape(-1, self.in_features).contiguous(), self.weight, self.scales,
-                self.mins, self.bias, self.group_size, self.kind).view(
+                self.mins, self.bias, self.group_size, self.kind, self.q8).view(
                     *x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         y = kernels.int4_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
@@ -156,7 +163,8 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = (f"native {self.native_kind}, float32" if self.native_kind is not None
+        rows = "int8 rows" if self.q8 else "float32"
+        kernel = (f"native {self.native_kind}, {rows}" if self.native_kind is not None
                   else f"kernel_dtype={self.scales_and_zeros.dtype}")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, {kernel}, "
