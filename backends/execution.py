@@ -207,7 +207,7 @@ class ExecutionPlan:
     cpu: str | None                  # the CPU kind the plan targets (None on CUDA)
     quantization: str
     linear: str                      # torch | onednn | bf16-gemv+onednn | bf16-amx+onednn | onednn-f32-copy | int8 | int4 | gguf
-    lm_head: str                     # torch | onednn | bf16-gemv+onednn | bf16-amx+onednn | bf16-gemv+torch
+    lm_head: str                     # torch | onednn | bf16-gemv+onednn | bf16-amx+onednn | bf16-gemv+torch | q8_0-native
     kernels: str | None              # the native kernels' kind, None for the torch ops
     norm: str                        # native | torch
     rope_kv_store: str               # native | torch
@@ -230,7 +230,8 @@ class ExecutionPlan:
     # without native bf16: "native" (backends/kernels/int4_linear.c, float32
     # arithmetic on the decoded weights), "native-q8" (the same kernels'
     # 8-bit rows: the bf16-weights mode's numerics, as llama.cpp computes a
-    # 4-bit GGUF) or "" (torch's int4 kernel, bf16 activations).
+    # GGUF; a gguf load's Q8_0 projections then run on the same kernels'
+    # int8 weights) or "" (torch's int4 kernel, bf16 activations).
     int4_linear: str = ""
     notes: tuple[str, ...] = field(default=())
     weight_formats: tuple[str, ...] = ()  # a GGUF's projection formats (GGML types)
@@ -353,21 +354,25 @@ class _ModelNeeds:
 def make_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
               available: Availability, options: ExecutionOptions = ExecutionOptions(),
               model: ModelConfig | None = None,
-              weight_formats: frozenset[str] = frozenset()) -> ExecutionPlan:
+              weight_formats: frozenset[str] = frozenset(),
+              output_format: str = "") -> ExecutionPlan:
     """Decide how to run: pure, so a table of inputs -> plans is testable.
 
     ``dtype`` is resolved already (no "auto"); ``cpu`` is the detected CPU
     (``options.cpu_kind`` limits it here). ``model``: the architecture to run
     (None plans for a plain Llama / Qwen decoder). ``weight_formats``: the
-    GGML types of a GGUF file's projections (gguf quantization).
+    GGML types of a GGUF file's projections (gguf quantization);
+    ``output_format``: its output layer's ("" where plain numbers).
     """
     return _ModelNeeds.of(model).apply(
-        _plain_plan(device, dtype, quantization, cpu, available, options, weight_formats))
+        _plain_plan(device, dtype, quantization, cpu, available, options, weight_formats,
+                    output_format))
 
 
 def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
                 available: Availability, options: ExecutionOptions,
-                weight_formats: frozenset[str] = frozenset()) -> ExecutionPlan:
+                weight_formats: frozenset[str] = frozenset(),
+                output_format: str = "") -> ExecutionPlan:
     if dtype not in DTYPE_NAMES:
         raise ExecutionError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
     if not device.startswith("cpu"):
@@ -456,6 +461,12 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # one row, AVX2 EPYC); --dtype float32 keeps float32 arithmetic.
     int4_native = (quantization in ("int4", "gguf") and native and activation == "float32"
                    and kernels in ("avx2", "avx512"))
+    # With 8-bit rows, a GGUF's Q8_0 output layer runs on its own codes too
+    # (the same kernel's int8 weights: 30 MB a step for SmolLM2 against the
+    # 57 MB of bf16 tiles).
+    if (int4_native and bf16_weights and quantization == "gguf" and output_format == "Q8_0"
+            and options.tensor_parallel_size == 1):
+        lm_head = "q8_0-native"
     step = "eager"
     if options.compile and native:
         if available.cpp_compiler:

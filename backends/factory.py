@@ -16,7 +16,7 @@ from backends.config import LoadedModel, ModelConfig
 from backends.execution import (Availability, CpuFeatures, ExecutionOptions, ExecutionPlan,
                                 make_plan)
 from backends.interface import Backend
-from backends.quantization.spec import QuantizationSpec, projection_formats
+from backends.quantization.spec import QuantizationSpec, output_format, projection_formats
 
 log = logging.getLogger("baton.backend")
 
@@ -76,11 +76,12 @@ def cpp_compiler_found() -> bool:
 
 def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None,
              model: ModelConfig | None = None,
-             weight_formats: frozenset[str] = frozenset()) -> ExecutionPlan:
+             weight_formats: frozenset[str] = frozenset(),
+             head_format: str = "") -> ExecutionPlan:
     """The plan ``create_backend`` follows on this machine (``cpu``: the
     detected CPU unless given) for the architecture ``model`` (None: a plain
     Llama / Qwen decoder) whose projections a GGUF file stores as
-    ``weight_formats``."""
+    ``weight_formats`` and its output layer as ``head_format``."""
     cpu = cpu or CpuFeatures.detect()
     options = config.execution
     target = cpu
@@ -88,7 +89,7 @@ def plan_for(config: BackendConfig, cpu: CpuFeatures | None = None,
         target = cpu.limited_to(options.cpu_kind)  # refuses a kind this CPU lacks
     available = probe_availability(config.device, target, options)
     return make_plan(config.device, config.dtype, config.quantization.mode, cpu, available,
-                     options, model, weight_formats)
+                     options, model, weight_formats, head_format)
 
 
 def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) -> Backend:
@@ -101,7 +102,9 @@ def create_backend(loaded: LoadedModel, config: BackendConfig, parallel=None) ->
     log.info("architecture %s%s", model.architecture,
              f": {', '.join(options)}" if options else " (no options)")
     plan = plan_for(config, model=model,
-                    weight_formats=projection_formats(loaded.source_formats))
+                    weight_formats=projection_formats(loaded.source_formats),
+                    head_format=output_format(loaded.source_formats,
+                                              model.tie_word_embeddings))
     log.info("execution plan: %s", plan.describe())
     from backends.torch_backend import TorchBackend
     return TorchBackend(loaded, plan, block_size=config.block_size,

@@ -177,7 +177,8 @@ class TorchBackend:
                 log.info(why)
             load_quantized(self.model, loaded.weights, self.quantization, self.device, act,
                            plan.kernels if plan.int4_linear else None,
-                           DTYPES[plan.weight_dtype], int4_q8=plan.int4_linear == "native-q8")
+                           DTYPES[plan.weight_dtype], int4_q8=plan.int4_linear == "native-q8",
+                           output_q8=plan.lm_head == "q8_0-native")
         else:
             weights = loaded.weights
             if plan.weight_dtype != plan.activation_dtype:

@@ -126,6 +126,28 @@ def test_4bit_projections_of_float32_rows_go_native_without_native_bf16(quant):
     assert not native(AMX, ALL, ExecutionOptions(cpu_kind="portable"))
 
 
+def test_a_gguf_q8_0_output_layer_runs_on_its_codes_with_8bit_rows():
+    """Where the 4-bit projections take 8-bit rows (gguf, bf16 weights,
+    native kernels without native bf16), a Q8_0 output layer runs on the
+    native kernel's int8 weights; any other format, float32 asked for, a
+    native-bf16 CPU, no native kernels, or tensor parallelism keep the
+    dense head."""
+    def head(cpu=AVX2, available=F32_ONEDNN, dtype="bfloat16", fmt="Q8_0", quant="gguf",
+             options=ExecutionOptions()):
+        return make_plan("cpu", dtype, quant, cpu, available, options,
+                         output_format=fmt).lm_head
+
+    assert head() == "q8_0-native"
+    assert head(AVX512) == "q8_0-native"
+    assert head(AMX, ALL, options=ExecutionOptions(cpu_kind="avx2")) == "q8_0-native"
+    assert head(fmt="F16") == head(fmt="") == head(fmt="Q6_K") == "bf16-gemv+torch"
+    assert head(dtype="float32") == "torch"
+    assert head(AMX, ALL) == "bf16-gemv+torch"                  # bf16 rows
+    assert head(available=NO_CC) == "torch"                     # no native kernels
+    assert head(quant="int4") == "bf16-gemv+torch"              # not a GGUF's blocks
+    assert head(options=ExecutionOptions(tensor_parallel_size=2)) != "q8_0-native"
+
+
 @pytest.mark.parametrize("quant", ["none", "gguf"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=["avx2", "avx512", "amx"])

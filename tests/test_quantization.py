@@ -30,7 +30,8 @@ from backends.interface import SamplingParams
 from backends.loader.gguf import load_gguf
 from backends.quantization import (QuantizationError, QuantizationSpec, resident_weight_bytes,
                                    resolve_group_size)
-from backends.quantization.ggml import BlockInt8Linear, GGUFBlocks, q4_to_int4, q8_0_to_int8
+from backends.quantization.ggml import (BlockInt8Linear, GGUFBlocks, pair_layout, q4_to_int4,
+                                        q8_0_to_int8)
 from backends.quantization.int4 import Int4Linear, quantize_int4
 from backends.quantization.int8 import Int8Linear, dequantize_int8, quantize_int8
 from service.config import EngineArgs
@@ -195,6 +196,46 @@ def test_native_int4_kernel_with_int8_rows(kind, out, width, group, bias):
         Int4Linear(q, b, torch.device("cpu"), torch.float32, q8=True)
 
 
+@pytest.mark.parametrize("kind", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("out,width,bias", [(40, 256, True), (33, 320, False), (17, 96, True),
+                                            (300, 576, False), (64, 1024, True)])
+def test_native_q8_0_kernel_with_int8_rows(kind, out, width, bias):
+    """Q8_0 weights (int8 codes, a scale per 32) on the native kernel's
+    8-bit rows: sum_b isum * (scale * d), each block's integer sum exact
+    (codes of -128 included, where |w| is 128), within float32 summation
+    error of that formula in float64, at every row count, a row's bits
+    independent of its neighbours; and within the rows' rounding bound of
+    the expanding module on the same codes."""
+    kind = _kind_or_skip(kind)
+    gen = torch.Generator().manual_seed(out + width)
+    codes = torch.randint(-128, 128, (out, width), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(out, width // 32, generator=gen) * 0.01).half()
+    b = torch.randn(out, generator=gen) if bias else None
+    native = BlockInt8Linear(codes, scales, b, native_kind=kind)
+    assert "int8 rows" in repr(native)
+    x = torch.randn(64, width, generator=gen)
+    x[:, ::37] *= 20.0
+    c, d = _int8_rows(x)
+    w = (codes.double().view(out, -1, 32) * scales.double()[..., None]).view(out, width)
+    x8 = (c.double() * d.double()).view(64, width)
+    extra = b.double() if bias else 0.0
+    formula = x8 @ w.T + extra
+    bound = 1e-6 * (x8.abs() @ w.abs().T + (b.double().abs() if bias else 0.0))
+    alone = torch.cat([native(x[i:i + 1]) for i in range(64)])
+    for rows in (1, 2, 3, 4, 5, 9, 49, 64):
+        got = native(x[:rows])
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        assert ((got.double() - formula[:rows]).abs() <= bound[:rows]).all(), rows
+        assert torch.equal(got, alone[:rows]), f"a row's bits changed with {rows} rows"
+    rounding = (d.double().expand(-1, -1, 32).reshape(64, width) / 2) @ w.abs().T
+    expanded = BlockInt8Linear(codes, scales, b)(x).double()
+    assert ((alone.double() - expanded).abs() <= rounding + 2 * bound).all()
+    assert native(x[:0]).shape == (0, out)
+    with pytest.raises(RuntimeError, match="codes must be int8"):
+        torch.ops.baton.int8_linear_q8(x, codes.view(torch.uint8), native.scales, None,
+                                       native.kind)
+
+
 def test_native_int4_kernel_checks_its_inputs():
     kind = _kind_or_skip("portable")
     from backends.kernels import kind_id
@@ -285,10 +326,7 @@ EXPECTED_MODULES = {"Int4Linear": 4, "BlockInt8Linear": 2, "dense": 2}
 DENSE = {"Linear", "PackedLinear"}
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    """Llama, 2 layers, hidden 64, with Q/K rows in llama.cpp's order and
-    projections of every kept type (plus F16), untied F32 output."""
+def _write_tiny_gguf(path: Path, tied: bool) -> Path:
     rng = np.random.default_rng(5)
 
     def r(*shape, norm=False):
@@ -297,6 +335,8 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
     tensors = {"token_embd.weight": r(VOCAB, HIDDEN), "output.weight": r(VOCAB, HIDDEN),
                "output_norm.weight": r(HIDDEN, norm=True)}
+    if tied:
+        del tensors["output.weight"]
     for i in range(2):
         p = f"blk.{i}."
         tensors |= {
@@ -308,12 +348,26 @@ def tiny_gguf(tmp_path_factory) -> Path:
             p + "attn_output.weight": r(HIDDEN, HEADS * HEAD_DIM),
             p + "ffn_gate.weight": r(FFN, HIDDEN), p + "ffn_up.weight": r(FFN, HIDDEN),
             p + "ffn_down.weight": r(HIDDEN, FFN)}
-    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.Q4_1.gguf"
     writer = tiny_llama_writer(path, "tiny-llama", hidden=HIDDEN, ffn=FFN, heads=HEADS,
                                kv_heads=KV_HEADS)
     write_typed_tensors(writer, {name: (array, GGUF_TYPES.get(name, T.F32))
                                  for name, array in tensors.items()})
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """Llama, 2 layers, hidden 64, with Q/K rows in llama.cpp's order and
+    projections of every kept type (plus F16), untied F32 output."""
+    return _write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.Q4_1.gguf",
+                            tied=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_tied(tmp_path_factory) -> Path:
+    """The same, its output layer the Q8_0 embedding (as SmolLM2's GGUF)."""
+    return _write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf-tied") / "tiny-tied.Q4_1.gguf",
+                            tied=True)
 
 
 def test_gguf_blocks_pass_through_the_loader_unpermuted(tiny_gguf):
@@ -399,6 +453,40 @@ def test_gguf_mode_holds_the_rest_in_bf16_without_native_bf16(tiny_gguf, tmp_pat
     f32 = _top1_along(make_engine(tiny_gguf, num_kv_blocks=32, quantization="gguf"), ids)
     bf16 = _top1_along(eager, ids)
     assert sum(a == b for a, b in zip(f32, bf16)) >= 0.8 * len(f32)
+
+
+@pytest.mark.slow
+def test_gguf_mode_runs_a_q8_0_output_layer_on_its_codes(tiny_gguf_tied, tmp_path,
+                                                         monkeypatch):
+    """With 8-bit rows (auto on a CPU without native bf16, capped to one
+    anywhere), a GGUF's Q8_0 output layer (here the tied embedding) runs on
+    the file's codes on the native kernel; the lookup keeps its dense bf16
+    copy; compiled and eager steps agree, and the float32 mode's greedy
+    choices mostly hold. Elsewhere (float32 asked for) the head is dense."""
+    _kind_or_skip("avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    mode = MODES["gguf-bf16-weights"]
+    eager = make_engine(tiny_gguf_tied, num_kv_blocks=32, **mode)
+    plan = eager.backend.plan
+    assert (plan.lm_head, plan.int4_linear) == ("q8_0-native", "native-q8")
+    assert "lm_head q8_0-native" in plan.describe()
+    model = eager.backend.model
+    head = model.lm_head
+    assert isinstance(head, BlockInt8Linear) and head.native_kind == "avx2"
+    blocks = load_gguf(tiny_gguf_tied, keep_quantized=("Q8_0",)).weights[
+        "model.embed_tokens.weight"]
+    codes, scales = q8_0_to_int8(blocks)
+    assert torch.equal(head.weight, pair_layout(codes))
+    assert torch.equal(head.scales, scales.float())
+    embedding = model.embed_tokens.weight
+    assert torch.equal(embedding, embedding.to(torch.bfloat16).float())
+    compiled = make_engine(tiny_gguf_tied, num_kv_blocks=32, compile=None, **mode)
+    gen = torch.Generator().manual_seed(4)
+    _compiled_gives_eager(compiled, eager, (4, 29, 11), gen, 1e-4)
+    ids = torch.randint(3, eager.vocab_size, (48,), generator=gen).tolist()
+    f32 = make_engine(tiny_gguf_tied, num_kv_blocks=32, quantization="gguf")
+    assert f32.backend.plan.lm_head != "q8_0-native"
+    assert sum(a == b for a, b in zip(_top1_along(f32, ids), _top1_along(eager, ids))) >= 38
 
 
 # --------------------------------------------------------------- the engine

@@ -316,6 +316,10 @@ def _register_fakes() -> None:
     def _int4_linear(x, codes, scales, mins, bias, group, kind, q8=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    @fake("baton::int8_linear_q8")
+    def _int8_linear_q8(x, codes, scales, bias, kind):
+        return x.new_empty(x.shape[0], codes.shape[0])
+
     @fake("baton::linear_tiled")
     def _linear_tiled(x, w_tiled, packed, weight, bias, out_features, gemv_rows, amx_rows, kind):
         return x.new_empty(x.shape[0], out_features)

@@ -228,6 +228,65 @@ static inline __attribute__((always_inline)) void q8_rows(
                + (baton_hsum256(mv) + mt);
     }
 }
+
+/* Q8_0 weights (int8 codes w in the rows' pair layout, one scale a block of
+ * 32): the same sums with signed codes, |w| against sign(c, w) (VPSIGNB) so
+ * that VPMADDUBSW's unsigned operand is |w| <= 128. */
+static inline __attribute__((always_inline)) void q8w_rows(
+        const int8_t *w, const float *scale, const int8_t *c, const float *d, int64_t K,
+        const int rows, float *out) {
+    const int64_t B = K / 32;
+    const __m256i pos = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[INT4_ROWS];
+    __m128 tail[INT4_ROWS];
+    for (int m = 0; m < rows; m++) {
+        acc[m] = _mm256_setzero_ps();
+        tail[m] = _mm_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 8 <= B; b += 8) {
+        const __m256 s = _mm256_loadu_ps(scale + b);
+        for (int m = 0; m < rows; m++) {
+            const int8_t *cm = c + m * K + 32 * b, *wb = w + 32 * b;
+            __m256i p32[4];
+            for (int p = 0; p < 8; p += 2) {
+                __m256i h[2];
+                for (int i = 0; i < 2; i++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * (p + i)));
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(cm + 32 * (p + i)));
+                    h[i] = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(x, v)), ones);
+                }
+                p32[p / 2] = _mm256_add_epi32(h[0], h[1]);
+            }
+            const __m256i isum = _mm256_permutevar8x32_epi32(
+                _mm256_hadd_epi32(_mm256_hadd_epi32(p32[0], p32[1]),
+                                  _mm256_hadd_epi32(p32[2], p32[3])), pos);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                     _mm256_mul_ps(s, _mm256_loadu_ps(d + m * B + b)), acc[m]);
+        }
+    }
+    for (; b < B; b++) {
+        const int64_t pair = b & ~(int64_t)1, single = pair + 1 >= B;
+        const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair), odd = even + (single ? 16 : 32);
+        const __m128i ve = _mm_loadu_si128((const __m128i *)(w + even));
+        const __m128i vo = _mm_loadu_si128((const __m128i *)(w + odd));
+        for (int m = 0; m < rows; m++) {
+            const int8_t *cm = c + m * K;
+            const __m128i e = _mm_maddubs_epi16(
+                _mm_abs_epi8(ve), _mm_sign_epi8(_mm_loadu_si128((const __m128i *)(cm + even)), ve));
+            const __m128i o = _mm_maddubs_epi16(
+                _mm_abs_epi8(vo), _mm_sign_epi8(_mm_loadu_si128((const __m128i *)(cm + odd)), vo));
+            const __m128i p = _mm_add_epi32(_mm_madd_epi16(e, _mm256_castsi256_si128(ones)),
+                                            _mm_madd_epi16(o, _mm256_castsi256_si128(ones)));
+            tail[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(scale[b] * d[m * B + b]),
+                                   tail[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        out[m] = baton_hsum256(_mm256_add_ps(acc[m], _mm256_zextps128_ps256(tail[m])));
+}
 #endif
 
 #ifndef BATON_AVX2
@@ -235,7 +294,7 @@ static inline __attribute__((always_inline)) void q8_rows(
  * in block order (bits differ from the AVX2 order within float32 rounding). */
 static void q8_rows_generic(const uint8_t *q, const float *scale, const float *min,
                             const int8_t *c, const float *d, const float *xs, int64_t K,
-                            int64_t G, int ratio, int rows, float *out) {
+                            int64_t G, int ratio, int bits, int rows, float *out) {
     const int64_t B = K / 32;
     for (int m = 0; m < rows; m++) {
         const int8_t *cm = c + m * K;
@@ -245,22 +304,31 @@ static void q8_rows_generic(const uint8_t *q, const float *scale, const float *m
             const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair);
             const int64_t odd = even + (single ? 16 : 32);
             int32_t isum = 0;
-            for (int j = 0; j < 16; j++)
-                isum += (q[16 * b + j] & 0xF) * cm[even + j] + (q[16 * b + j] >> 4) * cm[odd + j];
+            for (int j = 0; j < 16; j++) {
+                if (bits == 4) {
+                    isum += (q[16 * b + j] & 0xF) * cm[even + j] + (q[16 * b + j] >> 4) * cm[odd + j];
+                } else {
+                    const int8_t *w = (const int8_t *)q;
+                    isum += w[even + j] * cm[even + j] + w[odd + j] * cm[odd + j];
+                }
+            }
             acc = fmaf((float)isum, scale[b / ratio] * d[m * B + b], acc);
         }
         float mt = 0.0f;
-        for (int64_t g = 0; g < G; g++) mt = fmaf(min[g], xs[m * G + g], mt);
+        for (int64_t g = 0; min != NULL && g < G; g++) mt = fmaf(min[g], xs[m * G + g], mt);
         out[m] = acc + mt;
     }
 }
 #endif
 
-int baton_int4_linear_q8(const float *x, const uint8_t *codes, const float *scales,
-                         const float *mins, const float *bias, float *y, int64_t M, int64_t N,
-                         int64_t K, int64_t group, int num_threads) {
+/* The 8-bit rows of x against 4-bit (bits 4: codes [N, K/2], mins) or
+ * 8-bit weights (bits 8: int8 codes [N, K] in the rows' pair layout, no
+ * mins, group 32). */
+static int q8_linear(const float *x, const uint8_t *codes, const float *scales,
+                     const float *mins, const float *bias, float *y, int64_t M, int64_t N,
+                     int64_t K, int64_t group, int bits, int num_threads) {
     if (group < 32 || group > 256 || group % 32 || K % group) return 1;
-    const int64_t half = K / 2, G = K / group, B = K / 32;
+    const int64_t stride = bits == 4 ? K / 2 : K, G = K / group, B = K / 32;
     const int ratio = (int)(group / 32);
     int8_t *c = (int8_t *)malloc(M * K + sizeof(float) * M * (B + G));
     if (c == NULL) return 2;
@@ -286,18 +354,21 @@ int baton_int4_linear_q8(const float *x, const uint8_t *codes, const float *scal
             const int8_t *cm = c + m0 * K;
             const float *dm = d + m0 * B, *xsm = xs + m0 * G;
             for (int64_t n = t * INT4_CHUNK; n < n1; n++) {
-                const uint8_t *q = codes + n * half;
-                const float *sc = scales + n * G, *mn = mins + n * G;
+                const uint8_t *q = codes + n * stride;
+                const float *sc = scales + n * G, *mn = mins ? mins + n * G : NULL;
                 float out[INT4_ROWS];
 #ifdef BATON_AVX2
-                switch (rows) {
-                case 1: q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, 1, out); break;
-                case 2: q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, 2, out); break;
-                case 3: q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, 3, out); break;
-                default: q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, 4, out); break;
+#define Q8_CASE(r) if (bits == 4) q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, r, out); \
+                   else q8w_rows((const int8_t *)q, sc, cm, dm, K, r, out)
+                switch (rows) {  /* constant row counts: accumulators in registers */
+                case 1: Q8_CASE(1); break;
+                case 2: Q8_CASE(2); break;
+                case 3: Q8_CASE(3); break;
+                default: Q8_CASE(4); break;
                 }
+#undef Q8_CASE
 #else
-                q8_rows_generic(q, sc, mn, cm, dm, xsm, K, G, ratio, rows, out);
+                q8_rows_generic(q, sc, mn, cm, dm, xsm, K, G, ratio, bits, rows, out);
 #endif
                 for (int m = 0; m < rows; m++)
                     y[(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.0f);
@@ -306,6 +377,19 @@ int baton_int4_linear_q8(const float *x, const uint8_t *codes, const float *scal
     }
     free(c);
     return 0;
+}
+
+int baton_int4_linear_q8(const float *x, const uint8_t *codes, const float *scales,
+                         const float *mins, const float *bias, float *y, int64_t M, int64_t N,
+                         int64_t K, int64_t group, int num_threads) {
+    return q8_linear(x, codes, scales, mins, bias, y, M, N, K, group, 4, num_threads);
+}
+
+int baton_int8_linear_q8(const float *x, const int8_t *codes, const float *scales,
+                         const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                         int num_threads) {
+    return q8_linear(x, (const uint8_t *)codes, scales, NULL, bias, y, M, N, K, 32, 8,
+                     num_threads);
 }
 
 /* W's rows [N, K] in float32 (w = q * scale + min), for a batch of many rows

@@ -45,6 +45,7 @@
 #define baton_int4_linear BATON_FN(baton_int4_linear)
 #define baton_int4_decode BATON_FN(baton_int4_decode)
 #define baton_int4_linear_q8 BATON_FN(baton_int4_linear_q8)
+#define baton_int8_linear_q8 BATON_FN(baton_int8_linear_q8)
 
 #include <math.h>
 #include <stdint.h>

@@ -68,6 +68,8 @@ extern "C" {
                                int64_t, int64_t, int);                                       \
   int baton_int4_linear_q8_##kind(const float*, const uint8_t*, const float*, const float*,   \
                                   const float*, float*, int64_t, int64_t, int64_t, int64_t, int);\
+  int baton_int8_linear_q8_##kind(const float*, const int8_t*, const float*, const float*,    \
+                                  float*, int64_t, int64_t, int64_t, int);                    \
   int baton_kernels_avx2_##kind(void);
 BATON_DECLARE(portable)
 BATON_DECLARE(avx2)
@@ -139,6 +141,8 @@ decltype(&baton_int4_linear_portable) const int4_linear_fn[] = BATON_TABLE(baton
 decltype(&baton_int4_decode_portable) const int4_decode_fn[] = BATON_TABLE(baton_int4_decode);
 decltype(&baton_int4_linear_q8_portable) const int4_linear_q8_fn[] =
     BATON_TABLE(baton_int4_linear_q8);
+decltype(&baton_int8_linear_q8_portable) const int8_linear_q8_fn[] =
+    BATON_TABLE(baton_int8_linear_q8);
 
 bool cpu_runs(int kind) {
 #if !(defined(__x86_64__) || defined(__i386__))
@@ -478,6 +482,36 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
+// y = x @ W^T (+ bias) for float32 rows x [M, K] and Q8_0 weights
+// (int4_linear.c, baton_int8_linear_q8): int8 codes [N, K] in the 8-bit rows'
+// pair layout, scales float32 [N, K/32]; x rounded to int8 blocks of 32.
+at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& bias, int64_t kind) {
+  const int k = check_kind(kind);
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "baton: x must be float32 [M, K]");
+  const int64_t m = x.size(0), kk = x.size(1);
+  check_cpu(codes, "codes");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.size(1) == kk,
+              "baton: codes must be int8 [N, ", kk, "]");
+  TORCH_CHECK(kk % 32 == 0, "baton: the input width must be a multiple of 32");
+  const int64_t n = codes.size(0);
+  check_like(scales, x, "scales");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == kk / 32,
+              "baton: scales must be [", n, ", ", kk / 32, "]");
+  if (bias) {
+    check_like(*bias, x, "bias");
+    TORCH_CHECK(bias->numel() == n, "baton: bias must hold ", n, " values");
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  check_rc(int8_linear_q8_fn[k](x.data_ptr<float>(), codes.data_ptr<int8_t>(),
+                                scales.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                                y.data_ptr<float>(), m, n, kk, threads()),
+           "int8_linear_q8");
+  return y;
+}
+
 // y = x @ W^T (+ bias) on AMX tiles (amx_bf16.c) for bf16 rows x [M, K] and
 // the gemv's tiled bf16 weights; y bf16, rounded once from the float32 sum.
 // Only the avx512_bf16 kind has the tile code, and only where amx_ready says
@@ -679,6 +713,7 @@ TORCH_LIBRARY(baton, m) {
         "Tensor final_norm, int[] dims, float eps, bool act_bf16, bool amx, int kind) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, "
         "int group, int kind, bool q8=False) -> Tensor");
+  m.def("int8_linear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int kind) -> Tensor");
   m.def("attention_amx(int kind, int mode) -> int", attention_amx);
   m.def("kind_has_avx2(int kind) -> bool", kind_has_avx2);
   m.def("kind_runs(int kind) -> bool", kind_runs);
@@ -697,4 +732,5 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("linear_tiled", linear_tiled);
   m.impl("decode_step", decode_step);
   m.impl("int4_linear", int4_linear);
+  m.impl("int8_linear_q8", int8_linear_q8);
 }

@@ -71,7 +71,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
     ``progress`` reports how far dequantizing has got (backends/progress.py).
     ``keep_quantized`` names GGML block types (e.g. "Q4_1") whose layer
-    projection weights are handed through undecoded, as
+    projection weights and output layer (a tied model's embedding) are
+    handed through undecoded, as
     ``backends.quantization.ggml.GGUFBlocks``, for the quantized backend.
     Raises ModelLoadError for a missing, truncated or inconsistent file and
     UnsupportedArchitectureError for an architecture Baton does not run.
@@ -287,11 +288,16 @@ def _read_weights(tensors: Iterable[ReaderTensor], config: ModelConfig, dtype: t
     # Only llama-architecture files were permuted by the converter; Qwen's were not.
     heads_by_part = ({"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
                      if config.architecture == "llama" else {})
+    # The output layer (a tied model's embedding) is kept as blocks too: the
+    # gguf mode may run a Q8_0 one on its codes.
+    names = {t.name for t in items}
+    output = "output.weight" if "output.weight" in names else "token_embd.weight"
     weights: dict[str, Any] = {}
     with progress_bar:
         for tensor in items:
             name = _hf_name(tensor.name, config.num_layers, source)
-            if tensor.tensor_type.name in keep_quantized and _is_projection(tensor.name):
+            if tensor.tensor_type.name in keep_quantized and (
+                    _is_projection(tensor.name) or tensor.name == output):
                 weights[name] = _raw_blocks(tensor, heads_by_part)
             else:
                 weights[name] = _dequantized(tensor, heads_by_part, dtype, source)
@@ -325,7 +331,7 @@ def _raw_blocks(tensor: ReaderTensor, heads_by_part: Mapping[str, int]) -> Any:
     from backends.quantization.ggml import GGUFBlocks
 
     rows = np.array(tensor.data).reshape(_torch_shape(tensor)[0], -1)
-    part = tensor.name.split(".")[2]
+    part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
     if part in heads_by_part:
         rows = np.ascontiguousarray(_unpermute_rotary_rows(rows, heads_by_part[part]))
     return GGUFBlocks(torch.from_numpy(rows), tensor.tensor_type.name, _torch_shape(tensor))

@@ -28,7 +28,8 @@ from backends.quantization.ggml import (INT4_TYPES, BlockInt8Linear, GGUFBlocks,
                                         q8_0_to_int8)
 from backends.quantization.int4 import Int4Linear, Int4Weights
 from backends.quantization.int8 import Int8Linear
-from backends.quantization.spec import QuantizationSpec, check_spec, resolve_group_size
+from backends.quantization.spec import (QuantizationError, QuantizationSpec, check_spec,
+                                        resolve_group_size)
 
 log = logging.getLogger("baton.quantization")
 
@@ -36,12 +37,16 @@ log = logging.getLogger("baton.quantization")
 def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: QuantizationSpec,
                    device: torch.device, dtype: torch.dtype,
                    int4_native: str | None = None,
-                   weight_dtype: torch.dtype | None = None, int4_q8: bool = False) -> Counter:
+                   weight_dtype: torch.dtype | None = None, int4_q8: bool = False,
+                   output_q8: bool = False) -> Counter:
     """Fill ``model`` (a DecoderLM built on the meta device) from ``weights``
     with its projections quantized per ``spec``. ``int4_native``: the native
     kernels' kind that runs the 4-bit projections (float32 activations; the
     plan's ``int4_linear``), or None for torch's int4 kernel; ``int4_q8``:
-    that kernel rounds rows to int8 blocks (plan ``native-q8``).
+    that kernel rounds rows to int8 blocks (plan ``native-q8``), and runs a
+    gguf load's Q8_0 projections on their codes too; ``output_q8``: the
+    output layer as well, from the file's Q8_0 blocks (plan ``lm_head
+    q8_0-native``; the embedding lookup keeps its dense copy).
     ``weight_dtype``: what every tensor outside the quantized codes (the
     embedding, output layer, norms, biases, projections a GGUF file holds
     in a layout without a kernel) is rounded to before it is held in
@@ -83,11 +88,20 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
     state = {}
     for tensor in weight_spec(config):
         if tensor.path not in swapped:
-            value = assemble(tensor, [weights[source] for source in tensor.sources])
+            value = assemble(tensor, [_dense(weights[source]) for source in tensor.sources])
             value = value if weight_dtype is None else value.to(weight_dtype)
             state[tensor.path] = value.to(device=device, dtype=dtype).contiguous()
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    if output_q8:
+        head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
+        if not (isinstance(head, GGUFBlocks) and head.ggml_type == "Q8_0"):
+            raise QuantizationError("the plan runs a Q8_0 output layer, but the file's is not")
+        codes, scales = q8_0_to_int8(head)
+        model.lm_head = BlockInt8Linear(codes.to(device), scales.to(device), None, int4_native)
+        log.info("gguf: output layer Q8_0 kept as int8 codes for the native %s kernel's "
+                 "8-bit rows (exact; %.0f MB)", int4_native,
+                 (codes.numel() + 4 * scales.numel()) / 1e6)
     left = [name for name, t in chain(model.named_parameters(), model.named_buffers())
             if t.is_meta]
     if left:  # DecoderLM grew a tensor the weight spec does not list
@@ -171,8 +185,13 @@ def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torc
                         f"exact; scales and zeros in {module.scales_and_zeros.dtype})")
     if types == {"Q8_0"}:
         codes, scales = zip(*(q8_0_to_int8(t) for t in tensors))
+        native = int4_native if int4_q8 else None
         module = BlockInt8Linear(torch.cat(codes).to(device), torch.cat(scales).to(device),
-                                 None if bias is None else bias.to(device=device, dtype=dtype))
+                                 None if bias is None else bias.to(device=device, dtype=dtype),
+                                 native)
+        if native:
+            return module, (f"Q8_0 kept as int8 codes with a scale per 32 for the native "
+                            f"{native} kernel (exact; rows rounded to int8 blocks of 32)")
         return module, ("Q8_0 kept as int8 codes with an fp16 scale per 32 (exact; torch has "
                         "no block-scaled int8 kernel, so each call expands them)")
     weight = torch.cat([_dense(t) for t in tensors])

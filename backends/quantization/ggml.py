@@ -123,23 +123,54 @@ def q8_0_to_int8(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def pair_layout(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (K a multiple of 32) in the layout of the native
+    kernels' 8-bit rows (int4_linear.c): each two blocks of 32 as their even
+    columns, then their odd ones (64 bytes); a last block alone as its even
+    columns, then its odd ones."""
+    n, k = codes.shape
+    blocks = k // GGUF_BLOCK
+    even, odd = codes.view(n, blocks, GGUF_BLOCK // 2, 2).unbind(-1)
+    full = blocks // 2 * 2
+    parts = [torch.cat([even[:, :full].reshape(n, full // 2, GGUF_BLOCK),
+                        odd[:, :full].reshape(n, full // 2, GGUF_BLOCK)], -1).reshape(n, -1)]
+    if blocks % 2:
+        parts.append(torch.cat([even[:, -1], odd[:, -1]], -1))
+    return torch.cat(parts, -1).contiguous()
+
+
 class BlockInt8Linear(nn.Module):
     """Q8_0 weights (int8 with one fp16 scale per 32 inputs) kept as they are.
 
     torch ships no kernel for block-scaled int8, so each call expands the
     weight to the activation dtype and runs a dense matmul: the memory saving
-    holds, the speed is that of the dense path or a little below.
+    holds, the speed is that of the dense path or a little below. Given
+    ``native_kind`` (the bf16-weights mode's 8-bit rows, float32
+    activations), Baton's kernel instead: each block of 32 of a row rounded
+    to int8 and the products summed in integers
+    (``torch.ops.baton.int8_linear_q8``, backends/kernels/int4_linear.c),
+    the codes held in that kernel's pair layout, scales in float32.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, native_kind: str | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
+        self.native_kind = native_kind
+        if native_kind is not None:
+            from backends.kernels import kind_id
+            self.kind = kind_id(native_kind)
+            codes, scales = pair_layout(codes), scales.to(torch.float32).contiguous()
+            bias = None if bias is None else bias.to(torch.float32).contiguous()
         self.register_buffer("weight", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_kind is not None:
+            return torch.ops.baton.int8_linear_q8(
+                x.reshape(-1, self.in_features).contiguous(), self.weight, self.scales,
+                self.bias, self.kind).view(*x.shape[:-1], self.out_features)
         n, k = self.weight.shape
         w = (self.weight.view(n, -1, GGUF_BLOCK).to(x.dtype)
              * self.scales.to(x.dtype)[..., None]).view(n, k)
@@ -147,4 +178,5 @@ class BlockInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"block={GGUF_BLOCK}, bias={self.bias is not None}")
+                f"block={GGUF_BLOCK}, bias={self.bias is not None}"
+                + (f", native {self.native_kind}, int8 rows" if self.native_kind else ""))

@@ -84,6 +84,12 @@ def projection_formats(source_formats: Mapping[str, str]) -> frozenset[str]:
     return frozenset(fmt for name, fmt in source_formats.items() if name.endswith("_proj.weight"))
 
 
+def output_format(source_formats: Mapping[str, str], tied: bool) -> str:
+    """The storage format (GGML type name) of a file's output layer (a tied
+    model's embedding), or "" where it is plain numbers."""
+    return source_formats.get("model.embed_tokens.weight" if tied else "lm_head.weight", "")
+
+
 def resolve_group_size(spec: QuantizationSpec, config: ModelConfig,
                        source_formats: frozenset[str] = frozenset()) -> tuple[QuantizationSpec, str]:
     """``spec`` with an int4 group size chosen when it has none, and why.
