@@ -137,6 +137,14 @@ int baton_int4_linear(const float *x, const uint8_t *codes, const float *scales,
  * columns of 2i, of 2i + 1, odd columns of 2i, of 2i + 1; a last block alone
  * is [even | odd]), matching a 32-byte load of two blocks' codes split into
  * low and high nibbles; d [K / 32] the blocks' scales. */
+/* Where block b of B holds its even and its odd columns in the pair layout. */
+static inline void q8_columns(int64_t b, int64_t B, int64_t *even, int64_t *odd) {
+    const int64_t pair = b & ~(int64_t)1;
+    const int single = pair + 1 >= B;
+    *even = single ? 32 * b : 32 * pair + 16 * (b - pair);
+    *odd = *even + (single ? 16 : 32);
+}
+
 static void q8_quantize_row(const float *x, int64_t K, int64_t group, int8_t *c, float *d,
                             float *xs) {
     const int64_t B = K / 32;
@@ -144,8 +152,8 @@ static void q8_quantize_row(const float *x, int64_t K, int64_t group, int8_t *c,
         float a = 0.0f;
         for (int k = 0; k < 32; k++) a = fmaxf(a, fabsf(x[32 * b + k]));
         const float id = a > 0.0f ? 127.0f / a : 0.0f;
-        const int64_t pair = b & ~(int64_t)1, single = pair + 1 >= B;
-        const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair), odd = even + (single ? 16 : 32);
+        int64_t even, odd;
+        q8_columns(b, B, &even, &odd);
         for (int j = 0; j < 16; j++) {
             c[even + j] = (int8_t)nearbyintf(x[32 * b + 2 * j] * id);
             c[odd + j] = (int8_t)nearbyintf(x[32 * b + 2 * j + 1] * id);
@@ -206,8 +214,8 @@ static inline __attribute__((always_inline)) void q8_rows(
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * b));
         const __m128i lo = _mm_and_si128(v, _mm256_castsi256_si128(nibble));
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm256_castsi256_si128(nibble));
-        const int64_t pair = b & ~(int64_t)1, single = pair + 1 >= B;
-        const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair), odd = even + (single ? 16 : 32);
+        int64_t even, odd;
+        q8_columns(b, B, &even, &odd);
         for (int m = 0; m < rows; m++) {
             const int8_t *cm = c + m * K;
             const __m128i e = _mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i *)(cm + even)));
@@ -268,8 +276,8 @@ static inline __attribute__((always_inline)) void q8w_rows(
         }
     }
     for (; b < B; b++) {
-        const int64_t pair = b & ~(int64_t)1, single = pair + 1 >= B;
-        const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair), odd = even + (single ? 16 : 32);
+        int64_t even, odd;
+        q8_columns(b, B, &even, &odd);
         const __m128i ve = _mm_loadu_si128((const __m128i *)(w + even));
         const __m128i vo = _mm_loadu_si128((const __m128i *)(w + odd));
         for (int m = 0; m < rows; m++) {
@@ -300,9 +308,8 @@ static void q8_rows_generic(const uint8_t *q, const float *scale, const float *m
         const int8_t *cm = c + m * K;
         float acc = 0.0f;
         for (int64_t b = 0; b < B; b++) {
-            const int64_t pair = b & ~(int64_t)1, single = pair + 1 >= B;
-            const int64_t even = single ? 32 * b : 32 * pair + 16 * (b - pair);
-            const int64_t odd = even + (single ? 16 : 32);
+            int64_t even, odd;
+            q8_columns(b, B, &even, &odd);
             int32_t isum = 0;
             for (int j = 0; j < 16; j++) {
                 if (bits == 4) {
