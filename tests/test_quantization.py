@@ -148,6 +148,17 @@ def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(blocks * inverse), peak / 127.0
 
 
+def _nan_stays_in_its_row(linear, x: torch.Tensor) -> None:
+    """A NaN in a row becomes its block's scale, so every output of that row
+    is NaN (as float32 arithmetic gives), and the rows beside it are
+    untouched."""
+    poisoned = x[:3].clone()
+    poisoned[1, 5] = float("nan")
+    got = linear(poisoned)
+    assert got[1].isnan().all()
+    assert torch.equal(got[[0, 2]], linear(x[[0, 2]]))
+
+
 @pytest.mark.parametrize("kind", ["portable", "avx2", "avx512"])
 @pytest.mark.parametrize("out,width,group,bias", [(40, 256, 32, True), (33, 320, 64, False),
                                                   (48, 1024, 128, True), (17, 96, 32, False),
@@ -192,6 +203,7 @@ def test_native_int4_kernel_with_int8_rows(kind, out, width, group, bias):
         assert torch.equal(got, alone[:rows]), f"a row's bits changed with {rows} rows"
     assert ((alone.double() - exact).abs() <= rounding + bound).all()
     assert linear(x[:0]).shape == (0, out)
+    _nan_stays_in_its_row(linear, x)
     with pytest.raises(ValueError, match="native int4 kernel"):
         Int4Linear(q, b, torch.device("cpu"), torch.float32, q8=True)
 
@@ -231,6 +243,7 @@ def test_native_q8_0_kernel_with_int8_rows(kind, out, width, bias):
     expanded = BlockInt8Linear(codes, scales, b)(x).double()
     assert ((alone.double() - expanded).abs() <= rounding + 2 * bound).all()
     assert native(x[:0]).shape == (0, out)
+    _nan_stays_in_its_row(native, x)
     with pytest.raises(RuntimeError, match="codes must be int8"):
         torch.ops.baton.int8_linear_q8(x, codes.view(torch.uint8), native.scales, None,
                                        native.kind)

@@ -147,23 +147,41 @@ static inline void q8_columns(int64_t b, int64_t B, int64_t *even, int64_t *odd)
 
 static void q8_quantize_row(const float *x, int64_t K, int64_t group, int8_t *c, float *d,
                             float *xs) {
-    const int64_t B = K / 32;
+    const int64_t B = K / 32, per = group / 32;
     for (int64_t b = 0; b < B; b++) {
-        float a = 0.0f;
-        for (int k = 0; k < 32; k++) a = fmaxf(a, fabsf(x[32 * b + k]));
+        const float *xb = x + 32 * b;
+        /* the block's max|x| (a NaN anywhere becomes it, and so the
+         * result's) and its sum, added into its group's */
+        float a = 0.0f, sum = 0.0f;
+#ifdef BATON_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], peak = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, v[i]));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        }
+        __m128 p = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+        p = _mm_max_ps(p, _mm_movehl_ps(p, p));
+        a = _mm_cvtss_f32(_mm_max_ss(p, _mm_shuffle_ps(p, p, 1)));
+        if (_mm256_movemask_ps(nan)) a = NAN;
+        sum = baton_hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+#else
+        for (int k = 0; k < 32; k++) {
+            const float m = fabsf(xb[k]);
+            a = m > a || m != m ? m : a;
+            sum += xb[k];
+        }
+#endif
         const float id = a > 0.0f ? 127.0f / a : 0.0f;
         int64_t even, odd;
         q8_columns(b, B, &even, &odd);
-        for (int j = 0; j < 16; j++) {
-            c[even + j] = (int8_t)nearbyintf(x[32 * b + 2 * j] * id);
-            c[odd + j] = (int8_t)nearbyintf(x[32 * b + 2 * j + 1] * id);
+        for (int j = 0; j < 16; j++) {  /* lrintf: nearest-even, inlined */
+            c[even + j] = (int8_t)lrintf(xb[2 * j] * id);
+            c[odd + j] = (int8_t)lrintf(xb[2 * j + 1] * id);
         }
         d[b] = a / 127.0f;
-    }
-    for (int64_t g = 0; g < K / group; g++) {
-        float sum = 0.0f;
-        for (int64_t k = g * group; k < (g + 1) * group; k++) sum += x[k];
-        xs[g] = sum;
+        xs[b / per] = b % per ? xs[b / per] + sum : sum;
     }
 }
 
