@@ -186,13 +186,22 @@ static void q8_quantize_row(const float *x, int64_t K, int64_t group, int8_t *c,
 }
 
 #ifdef BATON_AVX2
+/* acc + (8 blocks' integer sums) * (their weight scales s * row scales d):
+ * p[i] holds blocks 2i and 2i + 1 in its low and high four lanes; the
+ * horizontal adds leave block j in lane (0, 4, 1, 5, 2, 6, 3, 7)[j]. */
+static inline __attribute__((always_inline)) __m256 q8_fold8(const __m256i p[4], __m256 s,
+                                                             const float *d, __m256 acc) {
+    const __m256i isum = _mm256_permutevar8x32_epi32(
+        _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, _mm256_loadu_ps(d)), acc);
+}
+
 static inline __attribute__((always_inline)) void q8_rows(
         const uint8_t *q, const float *scale, const float *min, const int8_t *c, const float *d,
         const float *xs, int64_t K, int64_t G, int ratio, __m256i order, __m256i mask,
         const int rows, float *out) {
     const int64_t B = K / 32;
-    /* where the horizontal adds leave block j of eight: lane kPos[j] */
-    const __m256i pos = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[INT4_ROWS];
     __m128 tail[INT4_ROWS];
@@ -221,11 +230,7 @@ static inline __attribute__((always_inline)) void q8_rows(
                     hi[p], _mm256_loadu_si256((const __m256i *)(cm + 64 * p + 32)));
                 p32[p] = _mm256_madd_epi16(_mm256_add_epi16(e, o), ones);
             }
-            const __m256i isum = _mm256_permutevar8x32_epi32(
-                _mm256_hadd_epi32(_mm256_hadd_epi32(p32[0], p32[1]),
-                                  _mm256_hadd_epi32(p32[2], p32[3])), pos);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                                     _mm256_mul_ps(s, _mm256_loadu_ps(d + m * B + b)), acc[m]);
+            acc[m] = q8_fold8(p32, s, d + m * B + b, acc[m]);
         }
     }
     for (; b < B; b++) {  /* the last B % 8 blocks one at a time */
@@ -262,7 +267,6 @@ static inline __attribute__((always_inline)) void q8w_rows(
         const int8_t *w, const float *scale, const int8_t *c, const float *d, int64_t K,
         const int rows, float *out) {
     const int64_t B = K / 32;
-    const __m256i pos = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[INT4_ROWS];
     __m128 tail[INT4_ROWS];
@@ -286,11 +290,7 @@ static inline __attribute__((always_inline)) void q8w_rows(
                 }
                 p32[p / 2] = _mm256_add_epi32(h[0], h[1]);
             }
-            const __m256i isum = _mm256_permutevar8x32_epi32(
-                _mm256_hadd_epi32(_mm256_hadd_epi32(p32[0], p32[1]),
-                                  _mm256_hadd_epi32(p32[2], p32[3])), pos);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                                     _mm256_mul_ps(s, _mm256_loadu_ps(d + m * B + b)), acc[m]);
+            acc[m] = q8_fold8(p32, s, d + m * B + b, acc[m]);
         }
     }
     for (; b < B; b++) {
