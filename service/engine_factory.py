@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -171,20 +171,9 @@ def create_engine_on_passing_thread(args: EngineArgs) -> EngineCore:
     (a one-row step of the embedded model in gguf mode, 2 cores: 25-28 ms
     against 15). The loading thread's pool goes with it. (`baton serve`
     loads on such a thread already: service/serve.py.)"""
-    box: dict[str, object] = {}
-
-    def load() -> None:
-        try:
-            box["core"] = create_engine(args)
-        except BaseException as exc:  # noqa: BLE001 - raised again below
-            box["error"] = exc
-
-    thread = threading.Thread(target=load, name="baton-load")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["core"]  # type: ignore[return-value]
+    # Leaving the block joins the worker thread: its pool is gone on return.
+    with ThreadPoolExecutor(1, thread_name_prefix="baton-load") as pool:
+        return pool.submit(create_engine, args).result()
 
 
 def create_engine(args: EngineArgs) -> EngineCore:
