@@ -164,17 +164,15 @@ class CompiledStep:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         return len(_debug_get_cache_entry_list(self._code))
 
-    def warm_up(self, block_size: int, device: torch.device, progress: bool = True,
-                one_token: bool = True) -> float:
-        """Build (or load from the cache) the many-token graph and, with
-        ``one_token``, the one-token graph, by running each once on a dummy
-        step that writes block 0's first slots (the pool is idle: nothing
-        reads them before a request writes its own). Returns the seconds it
-        took."""
+    def warm_up(self, block_size: int, device: torch.device, progress: bool = True) -> float:
+        """Build (or load from the cache) the one-token and the many-token
+        graphs, by running each once on a dummy step that writes block 0's
+        first slots (the pool is idle: nothing reads them before a request
+        writes its own). Returns the seconds it took."""
         start = time.perf_counter()
         with heartbeat(f"compiling the model's step (cache {self.cache_dir})",
                        enabled=progress, done_line=False):
-            for t in (1, 2) if one_token else (2,):
+            for t in (1, 2):
                 # As a step passes them: the batch's tensors were made
                 # outside inference mode, the rows to project inside it.
                 # Dynamo guards on the difference (a dispatch key), so a

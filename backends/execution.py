@@ -30,8 +30,7 @@ could do more; a kind the CPU cannot run is refused.
 The model's architecture options (backends/config.py) are the third input:
 where a native kernel cannot compute what an architecture asks for
 (sliding-window or soft-capped attention, GeGLU, partial rotary, a mixture of
-experts, the whole-step decode of anything but a plain Llama/Qwen layer), the
-plan gives that step the torch implementation and says so in a note. The
+experts), the plan gives that step the torch implementation and says so in a note. The
 model never asks what is available.
 """
 
@@ -55,11 +54,10 @@ QUANTIZED_LINEARS = ("int8", "int4", "gguf")
 # (a burst's prefill-only step), so oneDNN keeps the calls above 1024 rows,
 # and its packed copy of the weights stays.
 AMX_PREFILL_ROWS = 1024
-# Rows of the whole-step decode (one native call a step, no Python between
-# the ops: ~4-6 ms of a c=32 step, the notebook that docs/benchmarks.md was until 2026-12-06, in git history, session 10) where its
-# linears run on AMX tiles; the gemv's 4 elsewhere. decode_bf16.c's
-# BATON_WHOLE_STEP_AMX_ROWS.
-WHOLE_STEP_AMX_ROWS = 32
+# Rows a decode step may hold where its linears run on AMX tiles and still
+# read the weights about once (a c=32 step; the bf16 gemv's 4 elsewhere):
+# the speculative budget (ExecutionPlan.few_rows).
+AMX_FEW_ROWS = 32
 
 
 class ExecutionError(ModelLoadError):
@@ -217,7 +215,6 @@ class ExecutionPlan:
     # rest from the native kernel) or "none".
     shared_prefix_decode: str = "none"
     activation: str = "torch"        # act(gate)*up: native | torch
-    whole_step_decode: int = 0       # max rows of the whole-step native decode; 0 off
     # Max rows of the AMX tile linear (linear bf16-amx+onednn: every call of
     # 1 to this many rows); 0 off.
     amx_linear_rows: int = 0
@@ -243,8 +240,17 @@ class ExecutionPlan:
     # How token-row steps (decodes, verification rows, short prefill chunks where
     # every layer's attention is the native decode kernel) run: "compiled"
     # (the model's forward under torch.compile, backends/compiled_step.py) or
-    # "eager". Steps of a few tokens take the whole-step native decode first.
+    # "eager".
     step: str = "eager"
+
+    @property
+    def few_rows(self) -> int:
+        """Rows a decode step's linears take at about one row's cost (the
+        weights read once): the AMX tile linear's AMX_FEW_ROWS, the bf16
+        gemv's 4; 0 where neither runs."""
+        if self.amx_linear_rows:
+            return AMX_FEW_ROWS
+        return 4 if self.linear == "bf16-gemv+onednn" else 0
 
     @property
     def torch_decode_masks(self) -> bool:
@@ -281,8 +287,6 @@ class ExecutionPlan:
         if self.moe != "none":
             parts.append(f"experts {self.moe}")
         parts.append(f"decode steps {self.step}")
-        if self.whole_step_decode:
-            parts.append(f"whole-step decode <= {self.whole_step_decode} rows")
         if self.amx_linear_rows:
             parts.append(f"amx-tile linear <= {self.amx_linear_rows} rows")
         if self.quantization != "none":
@@ -301,7 +305,6 @@ class _ModelNeeds:
     softcap: bool = False
     partial_rotary: bool = False
     moe: bool = False
-    plain: bool = True   # the whole-step native decode computes this layer
     final_softcap: bool = False  # logits soft-capped after the output projection
     head_dim: int = 64
 
@@ -312,12 +315,8 @@ class _ModelNeeds:
         m = model
         partial = m.rotary_width != m.head_dim
         softcap = m.attn_logit_softcap is not None
-        plain = not (m.has_sliding_layers or softcap or partial or m.moe is not None
-                     or m.sandwich_norms or m.hidden_act != "silu"
-                     or m.embedding_scale is not None or m.local_rope_theta is not None
-                     or m.query_pre_attn_scalar is not None)
         return cls(activation=m.hidden_act, sliding=m.has_sliding_layers, softcap=softcap,
-                   partial_rotary=partial, moe=m.moe is not None, plain=plain,
+                   partial_rotary=partial, moe=m.moe is not None,
                    final_softcap=m.final_logit_softcap is not None, head_dim=m.head_dim)
 
     def apply(self, plan: ExecutionPlan) -> ExecutionPlan:
@@ -340,9 +339,6 @@ class _ModelNeeds:
                              "attends whole contexts)")
             if self.softcap:
                 notes.append("soft-capped layers on torch-eager (no native soft-capping)")
-        if plan.whole_step_decode and not self.plain:
-            changes["whole_step_decode"] = 0
-            notes.append("no whole-step decode (it runs plain Llama/Qwen layers only)")
         if plan.step == "compiled" and (self.sliding or self.softcap or self.moe):
             changes["step"] = "eager"
             what = ("sliding-window" if self.sliding else "soft-capped" if self.softcap
@@ -409,7 +405,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     elif activation == "bfloat16" and native and onednn:
         # Native bf16: oneDNN's bf16 kernels (AMX where present) for batches,
         # the tiled bf16 gemv for a few rows (a second copy of the weights:
-        # what the whole-step decode streams; oneDNN's packed layout is
+        # oneDNN's packed layout is
         # opaque, and its kernels are slower than the gemv at one row).
         linear = "bf16-gemv+onednn"
     else:
@@ -430,14 +426,10 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     notes = []
     if fast and kernels is None and available.reason:
         notes.append(f"no native kernels: {available.reason}")
-    # The whole-step decode runs every layer in one native call (float32
-    # activations of the bf16-weights mode, or bf16 ones rounded where the
-    # layer-by-layer path rounds): there is no point between layers for a
-    # tensor-parallel all-reduce.
-    whole_step = 4 if native and linear == "bf16-gemv+onednn" else 0
     # Decode batches above the gemv's rows: the AMX tile linear on the same
     # tiles (bf16 activations only; same rounding as oneDNN's bf16 linear).
-    amx_rows = (AMX_PREFILL_ROWS if whole_step and activation == "bfloat16" and cpu.amx_bf16
+    amx_rows = (AMX_PREFILL_ROWS if native and linear == "bf16-gemv+onednn"
+                and activation == "bfloat16" and cpu.amx_bf16
                 and kernels == "avx512_bf16" and available.amx_tiles and options.amx else 0)
     # On AMX the tile linear takes prefill chunks too (up to
     # AMX_PREFILL_ROWS rows a call), off the same tiles, and the gemv's few
@@ -447,7 +439,6 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # prompt's tail computes what the cold prefill did, wherever the cold
     # prefill's step held up to AMX_PREFILL_ROWS tokens.
     if amx_rows:
-        whole_step = WHOLE_STEP_AMX_ROWS
         linear = lm_head = "bf16-amx+onednn"
     # Decode scores and prefill chunks' attention on AMX tiles: bf16 query
     # and KV where the avx512_bf16 kernels run and tile data is granted.
@@ -475,9 +466,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
             notes.append("decode steps eager (no C++ compiler for torch.compile)")
     if options.tensor_parallel_size > 1:
         notes.append(f"tensor parallel over {options.tensor_parallel_size} ranks"
-                     + (" (no whole-step decode)" if whole_step else "")
                      + (" (decode steps eager)" if step == "compiled" else ""))
-        whole_step = 0
         step = "eager"
     return ExecutionPlan(
         device=device, dtype=dtype, activation_dtype=activation,
@@ -489,7 +478,6 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
         decode_attention="native" if native else "torch-sdpa",
         shared_prefix_decode="cascade" if native else "none",
         activation="native" if native else "torch",
-        whole_step_decode=whole_step,
         weight_formats=tuple(sorted(weight_formats)) if quantization == "gguf" else (),
         amx_linear_rows=amx_rows,
         attention_scores="amx" if amx_attention else "",

@@ -208,7 +208,6 @@ class TorchBackend:
             (zeros_lazily(shape, self.kv_dtype, self.device),
              zeros_lazily(shape, self.kv_dtype, self.device))
             for _ in range(self.config.num_layers)]
-        self._whole_step = self._native_decode() if plan.whole_step_decode else None
         # Token ids, positions, slots and block tables of every step, in
         # buffers allocated once (backends/input_batch.py).
         self._batch = InputBatch(
@@ -247,63 +246,20 @@ class TorchBackend:
         else:
             self._shared_generator.manual_seed(seed)
         if self._compiled is not None:
-            # Steps of one token go to the whole-step decode where there is one.
             # The compiler's workers are this engine's (and the thread
             # governors' samples start after them).
             with own_child_work():
                 self.compile_seconds = self._compiled.warm_up(
-                    block_size, self.device, progress=parallel is None or parallel.rank == 0,
-                    one_token=self._whole_step is None)
-
-    def _native_decode(self, kind: str | None = None):
-        """The whole-step native decode for a few token rows: the linears'
-        bf16 tiles, float32 or bf16 activations, the plan's kernel kind
-        (tests force the lower kinds' builds). Logs what the tiles cost in
-        memory beside oneDNN's packed copy."""
-        from backends.kernels import DecodeBf16, DecodeLayerWeights
-        c, m = self.config, self.model
-
-        def f32(t):  # norms and bias: float32 (bf16 values widen exactly)
-            return None if t is None else t.detach().float().contiguous()
-        layers = [
-            DecodeLayerWeights(
-                input_norm=f32(layer.input_norm), post_norm=f32(layer.post_attention_norm),
-                qkv=layer.qkv_proj.weight_tiled, o=layer.o_proj.weight_tiled,
-                gate_up=layer.gate_up_proj.weight_tiled, down=layer.down_proj.weight_tiled,
-                k_cache=k, v_cache=v, qkv_bias=f32(layer.qkv_proj.bias),
-                q_norm=f32(layer.q_norm), k_norm=f32(layer.k_norm))
-            for layer, (k, v) in zip(m.layers, self.kv_caches)]
-        tiles = sum(t.numel() * t.element_size() for w in layers
-                    for t in (w.qkv, w.o, w.gate_up, w.down))
-        if self.parallel is None or self.parallel.rank == 0:
-            log.info("whole-step decode for up to %d rows streams the layers' tiled bf16 "
-                     "weights: %.0f MB beside oneDNN's packed copy",
-                     self.plan.whole_step_decode, tiles / 2**20)
-        return DecodeBf16(
-            kind or self.plan.kernels, hidden=c.hidden_size, num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            intermediate=c.intermediate_size, block_size=self.block_size,
-            eps=c.rms_norm_eps, cos_table=m.cos_table, sin_table=m.sin_table,
-            final_norm=f32(m.norm), layers=layers,
-            activation_dtype=DTYPES[self.plan.activation_dtype],
-            amx=self._whole_step_amx(kind))
-
-    def _whole_step_amx(self, kind: str | None) -> bool:
-        """Whether the whole-step decode's linears run on AMX tiles: where the
-        plan gives decode batches to the AMX tile linear (bf16 on a CPU and
-        OS with AMX tile data) and the decode runs that plan's kernels. Its
-        rows then get what the layer path's AMX tile linear gives them."""
-        return (bool(self.plan.amx_linear_rows)
-                and (kind or self.plan.kernels) == self.plan.kernels
-                and self.plan.activation_dtype == "bfloat16")
+                    block_size, self.device, progress=parallel is None or parallel.rank == 0)
 
     @property
     def speculative_budget(self) -> int:
         """Tokens a decode step may hold and still cost about what a decode
         of that many requests costs (speculative proposals fill the rest):
-        the whole-step decode's rows where there is one, else 8 (a few rows
-        of a linear read the weights once, as one does)."""
-        return self.plan.whole_step_decode or 8
+        the rows the plan's few-row linear takes (the bf16 gemv's 4; 32 on
+        AMX tiles), else 8 (a few rows of a linear read the weights once, as
+        one does)."""
+        return self.plan.few_rows or 8
 
     @property
     def bf16_weights(self) -> bool:
@@ -366,7 +322,6 @@ class TorchBackend:
     def shutdown(self) -> None:
         if self.parallel is not None:
             self.parallel.close()
-        self._whole_step = None
         self.kv_caches = []
         self._states.clear()
         self._bitmasks.shutdown()
@@ -438,16 +393,7 @@ class TorchBackend:
         if token_rows:
             # The sampled rows' logits, in the activation dtype.
             meta = filled.token_rows
-            whole = self._whole_step
-            if whole is not None and filled.input_ids.shape[0] <= whole.max_rows:
-                # A step of a few tokens (decodes, a verification row): the
-                # whole-step native decode, one call for every layer.
-                hidden = whole(self.model.embed(filled.input_ids), filled.positions,
-                               meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                               meta.block_tables.shape[1] * meta.block_size)
-                logits = self.model.compute_logits(hidden.index_select(0, logits_index),
-                                                   float32=False)
-            elif self._compiled is not None:
+            if self._compiled is not None:
                 logits = self._compiled(filled.input_ids, filled.positions, meta, logits_index)
             else:
                 out_rows = _out_rows(logits_index, filled.input_ids.shape[0], spans)
@@ -459,15 +405,8 @@ class TorchBackend:
             if not plain:
                 logits = logits.float()
         else:
-            whole = self._whole_step
-            if (whole is not None and not meta.prefills
-                    and meta.num_decode == input_ids.shape[0] <= whole.max_rows):
-                hidden = whole(self.model.embed(input_ids), positions, meta.slot_mapping,
-                               meta.decode_blocks, meta.decode_lens, meta.decode_max_len)
-                out_rows = None
-            else:
-                out_rows = _out_rows(logits_index, input_ids.shape[0], spans, bool(pools))
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
+            out_rows = _out_rows(logits_index, input_ids.shape[0], spans, bool(pools))
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, out_rows)
             # With out_rows the model returned the sampled rows alone, in order.
             picked_hidden = hidden if out_rows is not None else hidden[logits_index]
             logits = self.model.compute_logits(picked_hidden, float32=not plain)

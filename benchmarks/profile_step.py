@@ -71,9 +71,9 @@ def main() -> None:
                     help="bf16 decode attention scores on VDPBF16PS, not AMX tiles "
                          "(backends/kernels/paged_attention.c)")
     ap.add_argument("--enforce-eager", dest="compile", action="store_false",
-                    help="the eager forward for steps larger than the whole-step native "
-                         "decode's (as the server's --enforce-eager; by default, as the "
-                         "server, they run the compiled step wherever the plan can)")
+                    help="the eager forward for token-row steps (as the server's "
+                         "--enforce-eager; by default, as the server, they run the "
+                         "compiled step wherever the plan can)")
     ap.add_argument("--no-fast-paths", action="store_true",
                     help="portable torch ops only (no native kernels, no oneDNN prepacking)")
     args = ap.parse_args()

@@ -8,8 +8,7 @@ figures average the timed decode steps, the two warm-up steps included.
     .venv/bin/python benchmarks/step_ops.py --batch 32 --context 200 --dtype bfloat16 --threads 2
 
 Takes profile_step.py's arguments. Only the ops the plan calls through
-``torch.ops.baton`` are seen (not the whole-step decode, which runs as one
-ctypes call at <= 4 rows).
+``torch.ops.baton`` are seen.
 """
 
 from __future__ import annotations

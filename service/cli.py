@@ -195,8 +195,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
           "JSON such as '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
           "\"prompt_lookup_max\": 5}' or '{\"method\": \"draft_model\", \"model\": "
           "PATH, \"num_speculative_tokens\": 4}' (docs/serving.md)", convert=_speculative)
-    _flag(parser, "--compile", None, "run steps larger than the whole-step decode's "
-          "through the model's forward compiled by torch.compile: the default wherever "
+    _flag(parser, "--compile", None, "run token-row steps (decodes, verification rows, "
+          "short prefill chunks) through the model's forward compiled by torch.compile: "
+          "the default wherever "
           "the plan can (native kernels and a C++ compiler); the flag overrides "
           "BATON_COMPILE=0. The first start of a model compiles (about a minute on two "
           "cores), later ones reuse the cache", action="store_true", env_name="BATON_COMPILE")

@@ -78,7 +78,7 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None  # None: a quarter of the step budget
     prefill_only_step_tokens: int = 2048  # a step without decodes: short prompts up to this
     fast_paths: bool = True              # False: portable torch ops only (backends/execution.py)
-    # Token-row steps larger than the whole-step decode's run the model's
+    # Token-row steps run the model's
     # compiled forward (backends/compiled_step.py): True or None (the
     # default: wherever the plan can), False (eager; backends/execution.py).
     # Default from BATON_COMPILE (1 / 0; unset: None), as the CLI's --compile.

@@ -6,7 +6,7 @@ initialisation of its paths).
 
 The warm-up runs a few short greedy requests through the engine core the
 server will use, covering a prefill chunk, a lone decode and a batched
-decode (below and above the whole-step native decode's rows: 4, 32 on AMX) and
+decode (below and above the bf16 gemv's rows: 4) and
 one request under a structured-output constraint (so the grammar engine's
 tokenizer table, about a second for a large vocabulary, is built now rather
 than by the first constrained request), with a draft model for speculative
@@ -27,8 +27,8 @@ from scheduler.engine import EngineCore
 log = logging.getLogger("baton")
 
 PROMPT_TEXT = "Baton warms up before it serves: the first request should be as fast as any."
-# Decode batches the warm-up runs: a lone sequence, then one past the native
-# whole-step decode's limit of 4 so the batched path is built too.
+# Decode batches the warm-up runs: a lone sequence, then one past the bf16
+# gemv's limit of 4 so oneDNN's batched path is built too.
 BATCHES = (1, 5)
 OUTPUT_TOKENS = 3
 CONSTRAINT = StructuredOutputSpec("choice", '["yes", "no"]')

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from backends import kernels as native
-from backends.execution import (AMX_PREFILL_ROWS, CPU_KINDS,
-                                WHOLE_STEP_AMX_ROWS, Availability,
+from backends.execution import (AMX_FEW_ROWS, AMX_PREFILL_ROWS, CPU_KINDS, Availability,
                                 CpuFeatures, ExecutionOptions, make_plan)
 from backends.factory import BackendConfig, create_backend
 from backends.loader import load_model
@@ -215,10 +214,9 @@ def test_plan_gives_every_bf16_row_to_amx_only_where_it_runs():
     assert plan.amx_linear_rows == AMX_PREFILL_ROWS
     assert (plan.linear, plan.lm_head) == ("bf16-amx+onednn",) * 2
     assert f"amx-tile linear <= {AMX_PREFILL_ROWS} rows" in plan.describe()
-    # the whole-step decode takes a c=32 step on the tiles too (the
-    # many-row tile linear inside its parallel region)
-    assert plan.whole_step_decode == WHOLE_STEP_AMX_ROWS
-    assert f"whole-step decode <= {WHOLE_STEP_AMX_ROWS} rows" in plan.describe()
+    # a c=32 decode step reads the weights about once on the tiles: the
+    # speculative budget's rows
+    assert plan.few_rows == AMX_FEW_ROWS
     no_tiles = Availability(native_kernels=ALL.native_kernels, onednn_dtypes=ALL.onednn_dtypes)
     others = [make_plan("cpu", "bfloat16", "none", ZEN4, ALL),
               make_plan("cpu", "bfloat16", "none", AMX, no_tiles),
@@ -230,6 +228,7 @@ def test_plan_gives_every_bf16_row_to_amx_only_where_it_runs():
               make_plan("cpu", "bfloat16", "none", AMX, ALL,
                         ExecutionOptions(fast_paths=False))]
     assert [p.amx_linear_rows for p in others] == [0] * len(others)
+    assert [p.few_rows for p in others] == [4, 4, 4, 4, 0, 0, 0, 0]
     for p in others[:3]:
         assert (p.activation_dtype, p.weight_dtype, p.kv_dtype, p.linear) == (
             plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, "bf16-gemv+onednn")
@@ -274,9 +273,6 @@ def test_amx_rows_agree_with_onednn(request, arch):
     fast, onednn = _backend(path, amx=True), _backend(path, amx=False)
     assert fast.plan.linear == "bf16-amx+onednn" and onednn.plan.amx_linear_rows == 0
     assert fast.model.lm_head.amx is not None
-    # the layer path's linears (the whole-step decode takes up to 32 rows on
-    # the tiles otherwise; test_native_bf16_whole_step_decode_agrees_with_its_layer_path)
-    fast._whole_step = onednn._whole_step = None
     gen = torch.Generator().manual_seed(23)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist()
                for n in (1, 9, 3, 6, 2, 5, 7, 4)]
@@ -284,23 +280,6 @@ def test_amx_rows_agree_with_onednn(request, arch):
     ids_b, lp_b = _run(onednn, prompts, 8)
     assert ids_a == ids_b
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
-
-
-def test_whole_step_decode_runs_amx_tiles_where_the_plan_has_them(tiny_llama_dir):
-    """The whole-step decode's linears take the AMX tiles where the plan gives
-    decode batches to the tile linear (each row then gets the tile linear's
-    result), and the vector gemv otherwise: without AMX in the plan, for a
-    lower kind forced, and never for another dtype. Its tokens against the
-    layer path: test_native_bf16_whole_step_decode_agrees_with_its_layer_path."""
-    _amx_or_skip()
-    fast, plain = _backend(tiny_llama_dir, amx=True), _backend(tiny_llama_dir, amx=False)
-    assert fast._whole_step.amx and not plain._whole_step.amx
-    assert not fast._native_decode("avx512").amx
-    with pytest.raises(ValueError, match="bf16 weights and activations"):
-        native.DecodeBf16("avx512_bf16", hidden=8, num_heads=1, num_kv_heads=1, head_dim=8,
-                          intermediate=8, block_size=4, eps=1e-6,
-                          cos_table=torch.zeros(4, 8), sin_table=torch.zeros(4, 8),
-                          final_norm=torch.ones(8), layers=[], amx=True)
 
 
 def test_a_process_capped_below_amx_runs_no_tiles(tiny_llama_dir):

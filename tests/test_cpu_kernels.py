@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from backends import kernels as native
-from backends.execution import (CPU_KINDS, WHOLE_STEP_AMX_ROWS, Availability, CpuFeatures,
+from backends.execution import (CPU_KINDS, Availability, CpuFeatures,
                                 ExecutionOptions, make_plan)
 from backends.factory import BackendConfig, create_backend, plan_for
 from backends.interface import SamplingParams, ScheduledRequest, SchedulerOutput
@@ -756,56 +756,12 @@ def test_bf16_weight_linear_takes_no_rows(kind, packing, weight_dtype):
     assert out.shape == (0, 80) and out.dtype == weight_dtype
 
 
-class _CountingDecode:
-    """Wraps a DecodeBf16 and records the rows of every call."""
-
-    def __init__(self, whole_step) -> None:
-        self.whole_step = whole_step
-        self.max_rows = whole_step.max_rows
-        self.rows: list[int] = []
-
-    def __call__(self, hidden, *args):
-        self.rows.append(hidden.shape[0])
-        return self.whole_step(hidden, *args)
-
-def _whole_step_rows(prompts: list[list[int]], decodes: int, max_rows: int) -> list[int]:
-    """The token counts of the steps of _run(prompts, decodes) the
-    whole-step decode takes: those of up to max_rows tokens (the prefill of
-    every prompt in one step, then the decode steps of one row each)."""
-    prefill = sum(len(p) for p in prompts)
-    return (([prefill] if prefill <= max_rows else [])
-            + ([len(prompts)] * decodes if len(prompts) <= max_rows else []))
-
-
-def _assert_whole_step_matches_layers(fast, layered, kind, *, seed: int, vocab_hi: int,
-                                      sizes: tuple[int, ...] = (1, 4, 5)) -> None:
-    """Runs batches of each of `sizes` prompts on `fast` with kind's
-    whole-step decode and on `layered` without one: the same greedy tokens,
-    logprobs within 0.01, and the whole step taken for every step of up to
-    its max_rows tokens (4; 32 on AMX tiles) and never for more."""
-    whole = _CountingDecode(fast._native_decode(kind))
-    fast._whole_step = whole
-    layered._whole_step = None
-    gen = torch.Generator().manual_seed(seed)
-    lengths = (1, 9, 3, 6, 2)
-    prompts = [torch.randint(3, vocab_hi, (lengths[i % 5],), generator=gen).tolist()
-               for i in range(max(sizes))]
-    for n in sizes:
-        whole.rows.clear()
-        ids_a, lp_a = _run(fast, prompts[:n], 8)
-        ids_b, lp_b = _run(layered, prompts[:n], 8)
-        assert ids_a == ids_b
-        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=0.01, rtol=0)
-        assert whole.rows == _whole_step_rows(prompts[:n], 8, whole.max_rows)
-
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bf16_weights_mode_agrees_with_its_torch_path(request, arch):
     """--dtype bfloat16 on a CPU without native bf16 (forced on CPUs with it,
     so it runs on every kind): the model's bf16 weights and KV cache with
-    float32 arithmetic. With the fast paths (bf16 gemv, native ops, the
-    whole-step decode for up to four sequences) it must agree with the same
+    float32 arithmetic. With the fast paths (bf16 gemv for up to four rows,
+    native ops) it must agree with the same
     plan on the torch ops: a float32 model with bf16-rounded weights and a
     bf16 KV cache."""
     kind = _kind_or_skip("avx2")
@@ -816,7 +772,7 @@ def test_bf16_weights_mode_agrees_with_its_torch_path(request, arch):
     plan = fast.plan
     assert plan.bf16_weights and (plan.activation_dtype, plan.kv_dtype) == ("float32",
                                                                              "bfloat16")
-    assert (plan.linear, plan.kernels, plan.whole_step_decode) == ("bf16-gemv+onednn", kind, 4)
+    assert (plan.linear, plan.kernels, plan.few_rows) == ("bf16-gemv+onednn", kind, 4)
     assert fast.kv_caches[0][0].dtype == torch.bfloat16
     reference = _backend(path, "bfloat16", fast_paths=False, cpu_kind=kind)
     ref_plan = reference.plan
@@ -825,11 +781,8 @@ def test_bf16_weights_mode_agrees_with_its_torch_path(request, arch):
         plan.activation_dtype, plan.weight_dtype, plan.kv_dtype)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (1, 9, 3, 6, 2)]
-    counting = _CountingDecode(fast._whole_step)
-    fast._whole_step = counting
     for n in (1, 3, 4, 5):
         rows = prompts[:n]
-        counting.rows.clear()
         ids_a, lp_a = _run(fast, rows, 8)
         ids_b, lp_b = _run(reference, rows, 8)
         assert ids_a == ids_b
@@ -837,9 +790,6 @@ def test_bf16_weights_mode_agrees_with_its_torch_path(request, arch):
         # sits at a bf16 rounding boundary that becomes one bf16 ulp (2^-9
         # relative), hence a looser bound than the float32 cache's 1e-4.
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-3, rtol=0)
-        # Every step of up to four tokens was native (a prefill of a few
-        # tokens too: each token is a row that attends to its own context).
-        assert counting.rows == _whole_step_rows(rows, 8, counting.max_rows)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -873,37 +823,6 @@ def test_native_bf16_agrees_with_the_bf16_torch_ops(request, arch):
     assert err_fast <= 1.5 * err_slow + 0.01, (err_fast, err_slow)
     same = sum(a == b for x, y in zip(ids_fast, ids_slow) for a, b in zip(x, y))
     assert same >= 0.8 * sum(len(x) for x in ids_fast)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_native_bf16_whole_step_decode_agrees_with_its_layer_path(kind, request, arch):
-    """CPUs with native bf16: up to four decode rows run as one native call
-    in bf16 (activations rounded where the layer-by-layer path rounds them,
-    bf16 KV cache read in place). Each CPU kind's build of that step (the
-    plan picks avx512_bf16's, VDPBF16PS) against the same plan layer by
-    layer: the same greedy tokens and logprobs to bf16 precision."""
-    if not CPU.native_bf16:
-        pytest.skip(f"this CPU ({CPU.describe()}) has no native bf16: its plans never "
-                    "run the bf16 whole-step decode")
-    path = request.getfixturevalue(f"tiny_{arch}_dir")
-    blocks = 8 * 33 + 8  # _run's tables: eight blocks a prompt, for up to 33 prompts
-    fast = _backend(path, "bfloat16", num_kv_blocks=blocks)
-    plan = fast.plan
-    # on AMX machines every layer row takes the AMX tile linear (bf16-amx+onednn),
-    # and the whole-step decode takes up to 32 rows (its linears on the tiles)
-    rows = WHOLE_STEP_AMX_ROWS if plan.amx_linear_rows else 4
-    assert (plan.activation_dtype, plan.linear, plan.whole_step_decode) == (
-        "bfloat16", "bf16-amx+onednn" if plan.amx_linear_rows else "bf16-gemv+onednn", rows)
-    assert f"whole-step decode <= {rows} rows" in plan.describe()
-    layered = _backend(path, "bfloat16", num_kv_blocks=blocks)
-    # Only the summation order may differ (here: none at all between the
-    # avx512_bf16 step and the layers' gemv); the same step without its bf16
-    # roundings is 0.03-0.1 off and changes tokens. The plan's own kind on
-    # AMX: 20 rows (the many-row tile linear, the bf16 attention scores of
-    # one task a row) and 33 (past its rows: the layer path).
-    wide = kind == plan.kernels and rows > 4
-    _assert_whole_step_matches_layers(fast, layered, kind, seed=17, vocab_hi=500,
-                                      sizes=(1, 4, 5, 20, 33) if wide else (1, 4, 5))
 
 
 def test_numerics_do_not_depend_on_the_compiler(tiny_llama_dir):

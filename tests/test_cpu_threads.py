@@ -133,7 +133,7 @@ def test_the_compile_s_workers_are_not_other_processes(tiny_llama_dir, monkeypat
     busy = {"seconds": 1000.0}
     monkeypatch.setattr(ct, "machine_busy_seconds", lambda steal=True: busy["seconds"])
 
-    def warm_up(self, block_size, device, progress=True, one_token=True):
+    def warm_up(self, block_size, device, progress=True):
         # the compiler's workers keep both cores busy for the compile's time
         time.sleep(1.2)
         busy["seconds"] += 2 * 1.2

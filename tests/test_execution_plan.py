@@ -19,7 +19,7 @@ NO_CC = Availability(onednn_dtypes=frozenset({"float32"}), reason="no C compiler
 OFF = ExecutionOptions(fast_paths=False)
 
 # (id, device, dtype, quantization, cpu, available, options) ->
-#   (activation, weights, kv, linear, lm_head, kernels, decode attention, whole step)
+#   (activation, weights, kv, linear, lm_head, kernels, decode attention, few rows)
 TABLE = [
     ("avx2-f32", "cpu", "float32", "none", AVX2, F32_ONEDNN, ExecutionOptions(),
      ("float32", "float32", "float32", "onednn", "onednn", "avx2", "native", 0)),
@@ -30,8 +30,8 @@ TABLE = [
      ("float32", "bfloat16", "bfloat16", "onednn-f32-copy", "onednn", None, "torch-sdpa", 0)),
     ("avx2-bf16-fast-paths-off", "cpu", "bfloat16", "none", AVX2, ALL, OFF,
      ("float32", "bfloat16", "bfloat16", "torch", "torch", None, "torch-sdpa", 0)),
-    # Native bf16: the whole-step decode in bf16 for a few rows, oneDNN's
-    # bf16 linears (AMX) for batches.
+    # Native bf16: the bf16 gemv for a few rows, oneDNN's bf16 linears
+    # (AMX) for batches.
     ("amx-bf16", "cpu", "bfloat16", "none", AMX, ALL, ExecutionOptions(),
      ("bfloat16", "bfloat16", "bfloat16", "bf16-gemv+onednn", "bf16-gemv+onednn",
       "avx512_bf16", "native", 4)),
@@ -44,7 +44,7 @@ TABLE = [
     ("amx-bf16-tensor-parallel", "cpu", "bfloat16", "none", AMX, ALL,
      ExecutionOptions(tensor_parallel_size=2),
      ("bfloat16", "bfloat16", "bfloat16", "bf16-gemv+onednn", "bf16-gemv+onednn",
-      "avx512_bf16", "native", 0)),
+      "avx512_bf16", "native", 4)),
     ("amx-bf16-no-onednn-bf16", "cpu", "bfloat16", "none", AMX, F32_ONEDNN, ExecutionOptions(),
      ("bfloat16", "bfloat16", "bfloat16", "torch", "torch", "avx512_bf16", "native", 0)),
     ("amx-f16", "cpu", "float16", "none", AMX, ALL, ExecutionOptions(),
@@ -88,7 +88,7 @@ def test_plan_table(case):
     _id, device, dtype, quant, cpu, available, options, expected = case
     plan = make_plan(device, dtype, quant, cpu, available, options)
     got = (plan.activation_dtype, plan.weight_dtype, plan.kv_dtype, plan.linear, plan.lm_head,
-           plan.kernels, plan.decode_attention, plan.whole_step_decode)
+           plan.kernels, plan.decode_attention, plan.few_rows)
     assert got == expected
     # The native ops come and go together; the plan never mixes their dtypes.
     native = plan.kernels is not None
@@ -235,15 +235,14 @@ def test_a_plain_model_gets_the_plain_plan():
 
 
 def test_what_native_kernels_cannot_do_goes_to_torch():
-    """Gemma 2's options on the AVX2 bf16 plan (native everything, whole-step
-    decode): the numerics stay, each step the kernels lack moves to torch,
+    """Gemma 2's options on the AVX2 bf16 plan (native everything): the
+    numerics stay, each step the kernels lack moves to torch,
     and the plan says why."""
     from backends.config import FULL_ATTENTION, SLIDING_ATTENTION
     plain = make_plan("cpu", "bfloat16", "none", AVX2, F32_ONEDNN)
     gemma = make_plan("cpu", "bfloat16", "none", AVX2, F32_ONEDNN, model=_model(
         layer_types=(SLIDING_ATTENTION, FULL_ATTENTION), sliding_window=8,
         attn_logit_softcap=50.0, hidden_act="gelu_tanh", sandwich_norms=True))
-    assert plain.whole_step_decode == 4 and gemma.whole_step_decode == 0
     assert (gemma.activation_dtype, gemma.weight_dtype, gemma.kv_dtype, gemma.linear) == (
         plain.activation_dtype, plain.weight_dtype, plain.kv_dtype, plain.linear)
     assert (gemma.norm, gemma.rope_kv_store, gemma.decode_attention) == ("native",) * 3
@@ -252,7 +251,7 @@ def test_what_native_kernels_cannot_do_goes_to_torch():
     assert gemma.torch_decode_masks and not plain.torch_decode_masks
     line = gemma.describe()
     for words in ("gelu_tanh torch", "sliding-window attention torch-sdpa",
-                  "soft-capped attention torch-eager", "no whole-step decode"):
+                  "soft-capped attention torch-eager"):
         assert words in line
 
 

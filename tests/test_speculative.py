@@ -233,8 +233,8 @@ def test_greedy_equal_for_each_architecture(request, new_arch_dirs, arch):
 
 @pytest.mark.slow
 def test_bf16_and_the_compiled_step(tiny_llama_dir, monkeypatch, tmp_path):
-    """bf16 (the whole-step decode takes the verification rows where they
-    fit) and the compiled step (larger ones): the same tokens."""
+    """bf16 (verification rows on the bf16 gemv where they fit, oneDNN
+    above) and the compiled step: the same tokens."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     for extra in ({"dtype": "bfloat16"}, {"compile": True}):
         plain = make_engine(tiny_llama_dir, **extra)

@@ -23,9 +23,6 @@ is built again, and the log says why. Building it needs a C and a C++
 compiler (``$CC``/``cc``, ``$CXX``/``c++``); without them ``load`` returns
 None and says why, and the execution plan chooses the torch ops. OpenMP resolves to the libgomp torch has already
 loaded, so kernels share torch's thread pool.
-
-The whole-step bf16 decode (decode_bf16.c) is an operator too
-(``baton::decode_step``), taking every layer's tensors as one list.
 """
 
 from __future__ import annotations
@@ -40,21 +37,19 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from backends.execution import WHOLE_STEP_AMX_ROWS
 from backends.progress import heartbeat
 
 log = logging.getLogger("baton.kernels")
 
 _HERE = Path(__file__).parent
 _C_SOURCES = [_HERE / name for name in (
-    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "decode_bf16.c",
-    "amx_bf16.c", "int4_linear.c")]
-_HEADERS = [_HERE / "kernels.h", _HERE / "model.h"]
+    "paged_attention.c", "fused_ops.c", "bf16_ops.c", "gemv_bf16.c", "amx_bf16.c",
+    "int4_linear.c")]
+_HEADERS = [_HERE / "kernels.h"]
 _CPP_SOURCE = _HERE / "ops.cpp"
 
 # Kinds in the order ops.cpp numbers them (backends.execution.CPU_KINDS).
@@ -330,8 +325,7 @@ class GemvBf16:
     accumulated in float32 (``torch.ops.baton.gemv_bf16``). x float32: y
     float32; x bfloat16: y rounded to bfloat16 (the avx512_bf16 build
     multiplies with VDPBF16PS). W is passed as ``tile(W)``: the layout the
-    kernel streams (kernels.h), which the whole-step decode and the AMX tile
-    linear read too."""
+    kernel streams (kernels.h), which the AMX tile linear reads too."""
 
     TILE_ROWS = 16
     TILE_COLS = 32
@@ -408,98 +402,3 @@ class LinearAmx:
     def __call__(self, x: torch.Tensor, w_tiled: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.baton.linear_amx(x.contiguous(), w_tiled, out_features, bias, self.kind)
-
-
-@dataclass(frozen=True)
-class DecodeLayerWeights:
-    """One layer's tensors for ``DecodeBf16``: norms and bias float32 (bf16
-    values widened, for bf16 activations); caches float32 or bfloat16 (all
-    layers alike); matrices tiled bfloat16 (``GemvBf16.tile``); bias and q/k
-    norms optional."""
-
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    qkv_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        """In decode_step's order (model.h's baton_layer); an empty tensor
-        for an absent one."""
-        none = torch.empty(0)
-        return [self.input_norm, self.post_norm,
-                none if self.qkv_bias is None else self.qkv_bias,
-                none if self.q_norm is None else self.q_norm,
-                none if self.k_norm is None else self.k_norm,
-                self.qkv, self.o, self.gate_up, self.down, self.k_cache, self.v_cache]
-
-
-class DecodeBf16:
-    """A whole decode step (every layer and the final norm) in one native call
-    (``baton::decode_step``, decode_bf16.c), for up to ``max_rows`` token rows
-    (each token attending to its own context length: decodes, or a row's few
-    tokens) and bfloat16 weights. ``activation_dtype`` float32: float32
-    arithmetic and activations (the bf16-weights mode of CPUs without native
-    bf16); bfloat16: every activation rounded to bf16 where the
-    layer-by-layer bf16 path rounds it (CPUs with native bf16). Holds
-    references to every tensor it reads; the final norm and the layers' norms
-    and bias are float32, the rotary tables [positions, head_dim] in the
-    activation dtype. ``amx`` (bf16 weights and activations, where
-    ``amx_ready(kind)``): the linears on AMX tiles, each row's result the AMX
-    tile linear's (LinearAmx) to the bit, instead of the vector gemv."""
-
-    def __init__(self, kind: str, *, hidden: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, intermediate: int, block_size: int, eps: float,
-                 cos_table: torch.Tensor, sin_table: torch.Tensor, final_norm: torch.Tensor,
-                 layers: list[DecodeLayerWeights],
-                 activation_dtype: torch.dtype = torch.float32, amx: bool = False) -> None:
-        if activation_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"DecodeBf16 computes float32 or bfloat16 activations, "
-                             f"not {activation_dtype}")
-        if cos_table.dtype != activation_dtype or sin_table.dtype != activation_dtype:
-            raise ValueError("DecodeBf16's rotary tables must be in the activation dtype")
-        ok, reason = available(kind)
-        if not ok:
-            raise RuntimeError(reason)
-        if amx:
-            if activation_dtype != torch.bfloat16:
-                raise ValueError("the whole-step decode runs AMX tiles for bf16 weights "
-                                 "and activations only")
-            ok, reason = amx_ready(kind)
-            if not ok:
-                raise RuntimeError(reason)
-        self.activation_dtype = activation_dtype
-        self.amx = amx
-        self.kind = kind_id(kind)
-        # decode_bf16.c's BATON_WHOLE_STEP_AMX_ROWS with AMX tiles (the
-        # many-row tile linear, bf16 attention scores), else the gemv's rows
-        self.max_rows = WHOLE_STEP_AMX_ROWS if amx else GemvBf16.max_rows
-        self.hidden = hidden
-        self._layers = [t for w in layers for t in w.tensors()]
-        for t in [cos_table, sin_table, final_norm, *self._layers]:
-            if not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("DecodeBf16 needs contiguous CPU tensors")
-        self._tables = (cos_table, sin_table, final_norm)
-        self._dims = [hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size]
-        self._eps = eps
-
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 ctx_lens: torch.Tensor, max_ctx: int) -> torch.Tensor:
-        """hidden [M, hidden] embeddings in the activation dtype -> the
-        final-normed hidden [M, hidden] in that dtype. positions,
-        slot_mapping, ctx_lens [M] and block_tables [M, NB] int64."""
-        if hidden.dtype != self.activation_dtype:
-            raise ValueError(f"DecodeBf16 expects {self.activation_dtype} rows, "
-                             f"got {hidden.dtype}")
-        cos, sin, final = self._tables
-        return torch.ops.baton.decode_step(
-            hidden.contiguous(), positions, slot_mapping, block_tables, ctx_lens, max_ctx,
-            self._layers, cos, sin, final, self._dims, self._eps,
-            self.activation_dtype == torch.bfloat16, self.amx, self.kind)

@@ -84,7 +84,7 @@ BATON_AMX_TARGET static void load_tile_config(int a_rows) {
 /* A [16 rows][16 features] float32 block (c, row stride 16) plus bias to
  * row m0 + m, features n0 + f of the result, for f < nr, m < mr, rounded
  * once to bf16: into y16 (bf16), or, when y16 is NULL, into yf as float32
- * holding the bf16 value (the whole-step decode's rows). */
+ * holding the bf16 value. */
 BATON_AMX_TARGET static void store_block(const float *c, const float *bias, uint16_t *y16, float *yf,
                                    int64_t N, int64_t n0, int64_t m0, int nr, int mr) {
     const __mmask16 keep = (__mmask16)((1u << nr) - 1u);
@@ -485,53 +485,8 @@ int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
     return 0;
 }
 
-/* The whole-step decode's linear on tiles: y [M, N] = xb @ W^T (+ bias), as
- * float32 holding bf16 values (rounded once), for 1 <= M <= 16 bf16 rows xb
- * [M][round_up(K, 32)] (zero-padded). Called by every thread of a parallel
- * region (or outside one), each thread taking its contiguous run of block
- * pairs as baton_linear_amx_bf16 does, so a row's result is that kernel's to
- * the bit. Ends with a barrier, like the gemv's worksharing loop. */
-void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *bias,
-                            float *y, int64_t M, int64_t N, int64_t K) {
-    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
-    const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
-    int64_t g0, g1;
-    thread_groups(groups, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
-    if (g0 < g1) amx_groups(xb, M, kp, w, bias, 0, y, M, N, g0, g1);
-    #pragma omp barrier
-}
-
-/* The same for more than sixteen rows (up to BATON_WHOLE_STEP_AMX_ROWS):
- * the many-row path, through xa (round_up(M, 16) / 16 * round_up(K, 32) /
- * 32 KB, shared by the threads): each thread packs its share of the row
- * blocks, then, after a barrier, takes its run of block pairs, so a row's
- * result is baton_linear_amx_bf16's to the bit. Ends with a barrier. */
-void baton_linear_amx_tiles_many(const uint16_t *xb, uint16_t *xa, const uint16_t *w,
-                                 const float *bias, float *y, int64_t M, int64_t N,
-                                 int64_t K) {
-    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS), kb = kp / BATON_GEMV_TILE_COLS;
-    const int64_t rblocks = baton_round_up(M, 16) / 16;
-    const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
-    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
-    /* xb's rows are already zero-padded to kp columns */
-    pack_row_blocks(xb, xa, M, kp, kb, rblocks * me / nt, rblocks * (me + 1) / nt);
-    int64_t g0, g1;
-    thread_groups(groups, me, nt, &g0, &g1);
-    #pragma omp barrier
-    if (g0 < g1) amx_many_thread(xa, kb, w, bias, 0, y, M, N, g0, g1, rblocks,
-                                 many_panel(kb, rblocks));
-    #pragma omp barrier
-}
 #else
 int baton_amx_bf16_ready(void) { return 0; }
-
-#ifdef BATON_GEMV_DP
-/* Never called where baton_amx_bf16_ready answers 0; the gemv if it were. */
-void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *bias,
-                            float *y, int64_t M, int64_t N, int64_t K) {
-    baton_gemv_tiles_bf16x(xb, w, bias, y, M, N, K);
-}
-#endif
 
 int baton_linear_amx_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                           uint16_t *y, int64_t M, int64_t N, int64_t K, int num_threads) {

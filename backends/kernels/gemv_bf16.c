@@ -31,6 +31,13 @@
 #define BATON_GEMV_AVX2 1
 #endif
 
+/* x [K] -> xp [round_up(K, 32)], zero-padded */
+static inline void gemv_pad(const float *x, float *xp, int64_t K) {
+    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
+    for (int64_t k = 0; k < K; k++) xp[k] = x[k];
+    for (int64_t k = K; k < kp; k++) xp[k] = 0.0f;
+}
+
 int baton_gemv_bf16_max_rows(void) { return BATON_GEMV_MAX_ROWS; }
 
 /* 1 when this build has the AVX2/FMA paths, 0 when only the portable ones. */
@@ -43,15 +50,15 @@ int baton_kernels_avx2(void) {
 }
 
 /* One block row's sixteen output features for M rows (out[m * 16 + f]) plus
- * the bias, stored into y[m * N + n], rounded to bf16 when asked. */
+ * the bias, stored into y[m * N + n]. */
 static inline void store_features(const float *out, const float *bias, float *y, int64_t g,
-                                  int64_t M, int64_t N, int round_bf16) {
+                                  int64_t M, int64_t N) {
     for (int64_t f = 0; f < 16 && g * 16 + f < N; f++) {
         const int64_t n = g * 16 + f;
         const float b = bias ? bias[n] : 0.0f;
         for (int64_t m = 0; m < M; m++) {
             const float v = out[m * 16 + f] + b;
-            y[m * N + n] = round_bf16 ? baton_round_bf16(v) : v;
+            y[m * N + n] = v;
         }
     }
 }
@@ -139,8 +146,11 @@ static inline __attribute__((always_inline)) void block_dp(
     for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * 16, _mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
-void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
-                            int64_t M, int64_t N, int64_t K) {
+/* y [M, N] = xb @ W^T (+ bias) for bf16 rows xb [M, round_up(K, 32)]
+ * (zero-padded), with VDPBF16PS. Worksharing loop: call from every thread of
+ * a parallel region. */
+static void gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
+                             int64_t M, int64_t N, int64_t K) {
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     const int64_t kb = kp / BATON_GEMV_TILE_COLS;
     const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
@@ -154,7 +164,7 @@ void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *
         case 3: block_dp(xb, kp, row, kb, 3, out); break;
         default: block_dp(xb, kp, row, kb, 4, out); break;
         }
-        store_features(out, bias, y, g, M, N, 1);
+        store_features(out, bias, y, g, M, N);
     }
 }
 #endif
@@ -180,8 +190,10 @@ static void block_generic(const float *xp, int64_t kp, const uint16_t *row, int6
 }
 #endif
 
-void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, float *y,
-                      int64_t M, int64_t N, int64_t K, int round_bf16) {
+/* y [M, N] = x @ W^T (+ bias) with xp [M, round_up(K, 32)] zero-padded rows.
+ * Worksharing loop: call from every thread of a parallel region. */
+static void gemv_tiles(const float *xp, const uint16_t *w, const float *bias, float *y,
+                       int64_t M, int64_t N, int64_t K) {
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     const int64_t kb = kp / BATON_GEMV_TILE_COLS;
     const int64_t groups = baton_round_up(N, BATON_GEMV_TILE_ROWS) / BATON_GEMV_TILE_ROWS;
@@ -208,7 +220,7 @@ void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, flo
 #else
         block_generic(xp, kp, row, kb, M, out);
 #endif
-        store_features(out, bias, y, g, M, N, round_bf16);
+        store_features(out, bias, y, g, M, N);
     }
 }
 
@@ -218,9 +230,9 @@ int baton_gemv_bf16(const float *x, const uint16_t *w, const float *bias, float 
     const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
     float *xp = (float *)malloc(sizeof(float) * M * kp);
     if (xp == NULL) return 2;
-    for (int64_t m = 0; m < M; m++) baton_gemv_pad(x + m * K, xp + m * kp, K);
+    for (int64_t m = 0; m < M; m++) gemv_pad(x + m * K, xp + m * kp, K);
     #pragma omp parallel num_threads(num_threads)
-    baton_gemv_tiles(xp, w, bias, y, M, N, K, 0);
+    gemv_tiles(xp, w, bias, y, M, N, K);
     free(xp);
     return 0;
 }
@@ -243,14 +255,14 @@ int baton_gemv_bf16_act16(const uint16_t *x, const uint16_t *w, const uint16_t *
         memset(xb + m * kp + K, 0, sizeof(uint16_t) * (kp - K));
     }
     #pragma omp parallel num_threads(num_threads)
-    baton_gemv_tiles_bf16x(xb, w, bias ? bf : 0, yf, M, N, K);
+    gemv_tiles_bf16x(xb, w, bias ? bf : 0, yf, M, N, K);
 #else
     for (int64_t m = 0; m < M; m++) {
         baton_load_bf16(x + m * K, row, K);
-        baton_gemv_pad(row, buf + m * kp, K);
+        gemv_pad(row, buf + m * kp, K);
     }
     #pragma omp parallel num_threads(num_threads)
-    baton_gemv_tiles(buf, w, bias ? bf : 0, yf, M, N, K, 0);
+    gemv_tiles(buf, w, bias ? bf : 0, yf, M, N, K);
 #endif
     baton_store_bf16(yf, y, M * N);
     free(buf);

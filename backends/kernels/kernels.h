@@ -1,6 +1,5 @@
-/* What the kernel sources share: row-level helpers (inline) and the workers
- * that run inside a caller's OpenMP parallel region (orphaned `omp for`), so
- * the whole-model decode (decode_bf16.c) can chain them in one region.
+/* What the kernel sources share: row-level helpers (inline) and the
+ * exported names of every CPU kind's build.
  *
  * Float32 everywhere except the weights of the bf16 matrix-vector kernel.
  */
@@ -29,19 +28,12 @@
 #define baton_paged_decode_attention_bf16 BATON_FN(baton_paged_decode_attention_bf16)
 #define baton_paged_decode_attention_qb BATON_FN(baton_paged_decode_attention_qb)
 #define baton_gemv_bf16 BATON_FN(baton_gemv_bf16)
-#define baton_gemv_tiles BATON_FN(baton_gemv_tiles)
-#define baton_gemv_tiles_bf16x BATON_FN(baton_gemv_tiles_bf16x)
 #define baton_gemv_bf16_act16 BATON_FN(baton_gemv_bf16_act16)
 #define baton_gemv_bf16_max_rows BATON_FN(baton_gemv_bf16_max_rows)
 #define baton_kernels_avx2 BATON_FN(baton_kernels_avx2)
 #define baton_amx_bf16_ready BATON_FN(baton_amx_bf16_ready)
 #define baton_attention_amx BATON_FN(baton_attention_amx)
 #define baton_linear_amx_bf16 BATON_FN(baton_linear_amx_bf16)
-#define baton_linear_amx_tiles BATON_FN(baton_linear_amx_tiles)
-#define baton_linear_amx_tiles_many BATON_FN(baton_linear_amx_tiles_many)
-#define baton_attention_task_qb BATON_FN(baton_attention_task_qb)
-#define baton_attention_splits BATON_FN(baton_attention_splits)
-#define baton_decode_bf16 BATON_FN(baton_decode_bf16)
 #define baton_int4_linear BATON_FN(baton_int4_linear)
 #define baton_int4_decode BATON_FN(baton_int4_decode)
 #define baton_int4_linear_q8 BATON_FN(baton_int4_linear_q8)
@@ -161,12 +153,6 @@ static inline uint16_t baton_f32_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-/* The float32 value nearest x that a bfloat16 holds (what storing x in a
- * bf16 tensor and reading it back gives). */
-static inline float baton_round_bf16(float x) {
-    return baton_bf16_to_f32(baton_f32_to_bf16(x));
-}
-
 #if defined(BATON_AVX2) && defined(__AVX512F__)
 /* Sixteen bf16 values widened to float32 (exact). */
 static inline __m512 baton_widen16(__m256i h) {
@@ -215,17 +201,6 @@ static inline void baton_load_bf16(const uint16_t *src, float *dst, int64_t n) {
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
 #endif
     for (; i < n; i++) dst[i] = baton_bf16_to_f32(src[i]);
-}
-
-/* x[i] = baton_round_bf16(x[i]): a float32 row kept to bf16 values, as the
- * bf16 tensors of a model in bf16 hold it. */
-static inline void baton_round_bf16_row(float *x, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(x + i, baton_widen16(baton_narrow16(_mm512_loadu_ps(x + i))));
-#endif
-    for (; i < n; i++) x[i] = baton_round_bf16(x[i]);
 }
 
 /* sum(x[i] * y[i]) with y in bfloat16 */
@@ -342,22 +317,6 @@ void baton_qkv_rope_store_row(const float *row, int64_t H, int64_t KVH, int64_t 
                               void *k_cache, void *v_cache, int kv_bf16, float *q_out);
 
 /* ------------------------------------------------------------ attention */
-/* Decode attention of query row t over its first ctx_lens[t] positions, for
- * query heads h0..h1-1 (whole kv-head groups); the caches hold float32, or
- * bfloat16 when kv_bf16. Given the query in bf16 too (qb [T, H, D], exact
- * copies of q's values; or NULL), with AVX512_BF16 and a bf16 cache the
- * scores are bf16 dot products (on AMX tiles where baton_attention_amx
- * allows), as baton_paged_decode_attention_bf16 takes them. scores: H *
- * max_ctx floats (with qb, round_up(H, 16) * round_up(max_ctx, 16)), acc:
- * H * D floats, both owned by the calling thread. */
-int64_t baton_attention_splits(int64_t T, int64_t KVH, int num_threads);
-void baton_attention_task_qb(const float *q, const uint16_t *qb, const void *k_cache,
-                             const void *v_cache, int kv_bf16, const int64_t *block_tables,
-                             const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
-                             int64_t h1, int64_t H, int64_t KVH, int64_t D,
-                             int64_t max_blocks, int64_t block_size, float scale,
-                             float *scores, float *acc);
-
 /* The float32 decode attention (q, out [T, H, D] float32), given also the
  * query rounded to bf16 when that is exact (qb, or NULL): with AVX512_BF16
  * and a bf16 cache the scores are then bf16 dot products. lse [T, H] (or
@@ -377,7 +336,7 @@ int baton_amx_bf16_ready(void);
 int baton_attention_amx(int mode);
 
 /* ------------------------------------------------------- bf16 gemv */
-/* Weights for the gemv, the whole-step decode and the AMX tile linear are
+/* Weights for the gemv and the AMX tile linear are
  * stored in blocks of 16 output features by 32 input columns (rows padded
  * with zeros to a multiple of 16, columns to a multiple of 32), blocks
  * [N/16][K/32], each block 1 KB holding [16 column pairs][16 features][2]:
@@ -400,7 +359,7 @@ int baton_attention_amx(int mode);
  * tile linear stream W this way (for 17-32 rows, a pair of blocks asked for
  * 8 ahead into L2 and 1 into L1 measured slower, once the tile linear packed
  * those rows: docs/benchmarks.md, session 10). With it a whole-step decode
- * of one row took 16-17 ms instead of 20-21 on the Xeon (model 207), four
+ * (retired since) of one row took 16-17 ms instead of 20-21 on the Xeon (model 207), four
  * rows 25 ms instead of 33, and the avx2 build's gemv streamed ~20% faster
  * there too (docs/benchmarks.md, session 7). Past a block row's end it
  * fetches the next one, which the same thread reads next (a static share of
@@ -420,48 +379,6 @@ static inline void baton_prefetch_block(const uint16_t *base, int64_t j) {
 
 static inline int64_t baton_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-/* x [K] -> xp [round_up(K, 32)], zero-padded */
-static inline void baton_gemv_pad(const float *x, float *xp, int64_t K) {
-    const int64_t kp = baton_round_up(K, BATON_GEMV_TILE_COLS);
-    for (int64_t k = 0; k < K; k++) xp[k] = x[k];
-    for (int64_t k = K; k < kp; k++) xp[k] = 0.0f;
-}
 
-/* y [M, N] = x @ W^T (+ bias) with xp [M, round_up(K, 32)] zero-padded rows
- * and W tiled; each y rounded to a bf16 value when round_bf16. Worksharing loop:
- * call from every thread of a parallel region (or outside one, serially).
- * Ends with the loop's barrier. */
-void baton_gemv_tiles(const float *xp, const uint16_t *w, const float *bias, float *y,
-                      int64_t M, int64_t N, int64_t K, int round_bf16);
-
-#ifdef BATON_GEMV_DP
-/* The same for bf16 input rows xb [M, round_up(K, 32)] (zero-padded), with
- * VDPBF16PS; y rounded to bf16 values. */
-void baton_gemv_tiles_bf16x(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
-                            int64_t M, int64_t N, int64_t K);
-/* The same on AMX tiles (amx_bf16.c) for 1 <= M <= 16 rows, where
- * baton_amx_bf16_ready() says the CPU and the OS allow them; called by every
- * thread of a parallel region, ends with a barrier. */
-void baton_linear_amx_tiles(const uint16_t *xb, const uint16_t *w, const float *bias, float *y,
-                            int64_t M, int64_t N, int64_t K);
-#endif
-#ifdef BATON_AMX
-/* The same for 17 <= M <= BATON_WHOLE_STEP_AMX_ROWS rows, packed through xa
- * (round_up(M, 16) / 16 * round_up(K, 32) / 32 KB shared by the threads). */
-void baton_linear_amx_tiles_many(const uint16_t *xb, uint16_t *xa, const uint16_t *w,
-                                 const float *bias, float *y, int64_t M, int64_t N,
-                                 int64_t K);
-#endif
-/* Rows of the whole-step decode where its linears run on AMX tiles (a c=32
- * decode step); BATON_GEMV_MAX_ROWS elsewhere. */
-#define BATON_WHOLE_STEP_AMX_ROWS 32
-
-/* ------------------------------------------------------- whole-step decode */
-#include "model.h"
-
-int baton_decode_bf16(const baton_model *m, float *hidden, int64_t M,
-                      const int64_t *positions, const int64_t *slot_mapping,
-                      const int64_t *block_tables, int64_t max_blocks,
-                      const int64_t *ctx_lens, int64_t max_ctx, float *out, int num_threads);
 
 #endif

@@ -14,7 +14,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "model.h"
 
 #include <cmath>
 #include <mutex>
@@ -58,9 +57,6 @@ extern "C" {
   int baton_amx_bf16_ready_##kind(void);                                                     \
   int baton_linear_amx_bf16_##kind(const uint16_t*, const uint16_t*, const uint16_t*,       \
                                    uint16_t*, int64_t, int64_t, int64_t, int);              \
-  int baton_decode_bf16_##kind(const baton_model*, float*, int64_t, const int64_t*,          \
-                               const int64_t*, const int64_t*, int64_t, const int64_t*,      \
-                               int64_t, float*, int);                                        \
   int baton_attention_amx_##kind(int);                                                       \
   int baton_int4_linear_##kind(const float*, const uint8_t*, const float*, const float*,      \
                                const float*, float*, int64_t, int64_t, int64_t, int64_t, int);\
@@ -131,7 +127,6 @@ decltype(&baton_gemv_bf16_max_rows_portable) const gemv_max_rows[] =
 
 decltype(&baton_amx_bf16_ready_portable) const amx_ready_fn[] =
     BATON_TABLE(baton_amx_bf16_ready);
-decltype(&baton_decode_bf16_portable) const decode_fn[] = BATON_TABLE(baton_decode_bf16);
 decltype(&baton_attention_amx_portable) const attention_amx_fn[] =
     BATON_TABLE(baton_attention_amx);
 decltype(&baton_kernels_avx2_portable) const kernels_avx2_fn[] = BATON_TABLE(baton_kernels_avx2);
@@ -602,70 +597,6 @@ at::Tensor linear_tiled(const at::Tensor& x, const at::Tensor& w_tiled,
   return at::linear(xc, *weight, bias);
 }
 
-// A whole decode step (decode_bf16.c) for 1 to max_rows token rows: hidden
-// [M, H] embeddings -> the final-normed hidden [M, H], in hidden's dtype
-// (float32, or bf16 with act_bf16). Each token attends to ctx_lens[t]
-// positions of block_tables[t] (token rows: a request's few tokens attend
-// causally by their lengths). layers holds 11 tensors a layer, in
-// baton_layer's order (input_norm, post_norm, qkv_bias, q_norm, k_norm,
-// qkv_w, o_w, gate_up_w, down_w, k_cache, v_cache); an empty tensor is an
-// absent one (bias, q/k norms). Norms and bias float32, weights tiled bf16.
-at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions,
-                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                       const at::Tensor& ctx_lens, int64_t max_ctx, at::TensorList layers,
-                       const at::Tensor& cos_table, const at::Tensor& sin_table,
-                       const at::Tensor& final_norm, at::IntArrayRef dims, double eps,
-                       bool act_bf16, bool amx, int64_t kind) {
-  const int k = check_kind(kind);
-  TORCH_CHECK(dims.size() == 6, "baton: decode_step's dims are hidden, heads, kv heads, "
-              "head_dim, intermediate, block_size");
-  TORCH_CHECK(layers.size() % 11 == 0, "baton: decode_step takes 11 tensors a layer");
-  TORCH_CHECK(!amx || amx_ready_fn[k](), "baton: no AMX tiles for decode_step here");
-  check_act(hidden, "hidden");
-  const int64_t m = hidden.size(0);
-  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == dims[0], "baton: hidden must be [M, ",
-              dims[0], "]");
-  check_long(positions, "positions", m);
-  check_long(slot_mapping, "slot_mapping", m);
-  check_long(ctx_lens, "ctx_lens", m);
-  check_cpu(block_tables, "block_tables");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
-                  block_tables.size(0) == m && block_tables.size(1) * dims[5] >= max_ctx,
-              "baton: block_tables must be int64 [M, blocks] covering max_ctx");
-  const int64_t nl = static_cast<int64_t>(layers.size() / 11);
-  auto ptr = [](const at::Tensor& t) -> const void* {
-    return t.numel() ? t.data_ptr() : nullptr;
-  };
-  std::vector<baton_layer> lay(nl);
-  for (int64_t l = 0; l < nl; l++) {
-    const at::Tensor* t = &layers[11 * l];
-    for (int i = 0; i < 11; i++) check_cpu(t[i], "decode_step's layer tensors");
-    lay[l] = baton_layer{static_cast<const float*>(ptr(t[0])), static_cast<const float*>(ptr(t[1])),
-                         static_cast<const float*>(ptr(t[2])), static_cast<const float*>(ptr(t[3])),
-                         static_cast<const float*>(ptr(t[4])),
-                         static_cast<const uint16_t*>(ptr(t[5])),
-                         static_cast<const uint16_t*>(ptr(t[6])),
-                         static_cast<const uint16_t*>(ptr(t[7])),
-                         static_cast<const uint16_t*>(ptr(t[8])), t[9].data_ptr(),
-                         t[10].data_ptr()};
-  }
-  baton_model model{nl, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
-                    nl ? layers[9].scalar_type() == at::kBFloat16 : 0, act_bf16,
-                    static_cast<float>(eps), static_cast<float>(1.0 / std::sqrt(dims[3])),
-                    cos_table.data_ptr(), sin_table.data_ptr(), final_norm.data_ptr<float>(),
-                    lay.data(), amx};
-  // The residual stream, float32 (bf16 rows widen exactly), updated in place.
-  at::Tensor h = hidden.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
-  at::Tensor out = at::empty_like(h);
-  const int rc = decode_fn[k](&model, h.data_ptr<float>(), m, positions.data_ptr<int64_t>(),
-                              slot_mapping.data_ptr<int64_t>(),
-                              block_tables.data_ptr<int64_t>(), block_tables.size(1),
-                              ctx_lens.data_ptr<int64_t>(), max_ctx, out.data_ptr<float>(),
-                              threads());
-  check_rc(rc, "decode_step");
-  return out.to(hidden.scalar_type());
-}
-
 // Whether kind's decode attention takes its bf16 scores on AMX tiles: mode 1
 // lets it (the default), 0 keeps them on VDPBF16PS (tests force each path),
 // -1 only asks. Process-wide.
@@ -708,9 +639,6 @@ TORCH_LIBRARY(baton, m) {
   m.def("packed_linear(Tensor x, int packed, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_tiled(Tensor x, Tensor w_tiled, int packed, Tensor? weight, Tensor? bias, "
         "int out_features, int gemv_rows, int amx_rows, int kind) -> Tensor");
-  m.def("decode_step(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor ctx_lens, SymInt max_ctx, Tensor[] layers, Tensor cos_table, Tensor sin_table, "
-        "Tensor final_norm, int[] dims, float eps, bool act_bf16, bool amx, int kind) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? bias, "
         "int group, int kind, bool q8=False) -> Tensor");
   m.def("int8_linear_q8(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int kind) -> Tensor");
@@ -730,7 +658,6 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("linear_amx", linear_amx_op);
   m.impl("packed_linear", packed_linear);
   m.impl("linear_tiled", linear_tiled);
-  m.impl("decode_step", decode_step);
   m.impl("int4_linear", int4_linear);
   m.impl("int8_linear_q8", int8_linear_q8);
 }

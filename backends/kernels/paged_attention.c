@@ -749,8 +749,14 @@ static void attention_task_generic(const float *q, const void *k_cache, const vo
     memcpy(out + (t * H + h0) * D, acc + h0 * D, sizeof(float) * (h1 - h0) * D);
 }
 
-/* baton_attention_task_qb (kernels.h), qb possibly NULL, with each head's
- * log-sum-exp into lse when it is not NULL. */
+/* Decode attention of query row t over its first ctx_lens[t] positions, for
+ * query heads h0..h1-1 (whole kv-head groups); the caches hold float32, or
+ * bfloat16 when kv_bf16. Given the query in bf16 too (qb [T, H, D], exact
+ * copies of q's values; or NULL), with AVX512_BF16 and a bf16 cache the
+ * scores are bf16 dot products (on AMX tiles where baton_attention_amx
+ * allows). scores: H * max_ctx floats (with qb, round_up(H, 16) *
+ * round_up(max_ctx, 16)), acc: H * D floats, both owned by the calling
+ * thread; each head's log-sum-exp into lse when it is not NULL. */
 static void attention_task(const float *q, const uint16_t *qb, const void *k_cache,
                            const void *v_cache, int kv_bf16, const int64_t *block_tables,
                            const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
@@ -779,16 +785,6 @@ static void attention_task(const float *q, const uint16_t *qb, const void *k_cac
     (void)qb;
     attention_task_generic(q, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0,
                            h1, H, KVH, D, max_blocks, block_size, scale, scores, acc, lse_t);
-}
-
-void baton_attention_task_qb(const float *q, const uint16_t *qb, const void *k_cache,
-                             const void *v_cache, int kv_bf16, const int64_t *block_tables,
-                             const int64_t *ctx_lens, float *out, int64_t t, int64_t h0,
-                             int64_t h1, int64_t H, int64_t KVH, int64_t D,
-                             int64_t max_blocks, int64_t block_size, float scale,
-                             float *scores, float *acc) {
-    attention_task(q, qb, k_cache, v_cache, kv_bf16, block_tables, ctx_lens, out, t, h0, h1,
-                   H, KVH, D, max_blocks, block_size, scale, scores, acc, NULL);
 }
 
 int baton_paged_decode_attention_f32(
@@ -906,7 +902,7 @@ static int split_context(const float *q, const uint16_t *qb, const void *k_cache
  * the context once for its heads, reading their bytes of each slot: a few
  * large runs stream faster than many small ones (SmolLM2-1.7B's shape, 32
  * kv heads, one row: 1.4x with two tasks of sixteen against 32 of one). */
-int64_t baton_attention_splits(int64_t T, int64_t KVH, int num_threads) {
+static int64_t attention_splits(int64_t T, int64_t KVH, int num_threads) {
     if (num_threads < 2 || T >= 2 * (int64_t)num_threads) return 1;
     for (int64_t d = 1; d <= KVH; d++)
         if (KVH % d == 0 && T * d >= num_threads && T * d % num_threads == 0) return d;
@@ -923,7 +919,7 @@ int baton_paged_decode_attention_qb(
      * task per (row, kv head), and with few rows and long contexts, per
      * (row, kv head, chunk of the context) whose partial results are merged
      * by their log-sum-exps (flash-decoding): every thread busy. */
-    const int64_t splits = baton_attention_splits(T, KVH, num_threads);
+    const int64_t splits = attention_splits(T, KVH, num_threads);
     const int64_t per_task = H / splits;
     int64_t chunks = context_chunks(T, KVH, max_ctx, num_threads);
     if (chunks > 1)
