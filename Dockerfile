@@ -57,8 +57,14 @@ RUN python -m pip install -c constraints.txt ".${BATON_EXTRAS}" \
  && cd / && BATON_KERNEL_KINDS=all python -m backends.kernels
 
 # ----------------------------------------------------------------- cpu target
-# No compiler here: the kernels come built (BATON_KERNEL_CACHE).
+# The kernels come built (BATON_KERNEL_CACHE). A C++ compiler stays for
+# Inductor, which builds the compiled step (every decode step's forward) at
+# the first start of a model and keeps it in BATON_COMPILE_CACHE; without one
+# every step runs the eager forward, 1.04-1.34x slower at one row
+# (docs/benchmarks.md).
 FROM ${PYTHON_IMAGE} AS cpu
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     BATON_KERNEL_CACHE=/opt/venv/share/baton-kernels
 COPY --from=cpu-build /opt/venv /opt/venv

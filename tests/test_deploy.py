@@ -267,8 +267,10 @@ def test_dockerfile_targets():
     assert '"torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu' \
         in build_runs
     # The native CPU kernels are built in the build stage (C and C++ compilers),
-    # every CPU kind in one library, into the kernel cache the runtime reads;
-    # the runtime image has no compiler.
+    # every CPU kind in one library, into the kernel cache the runtime reads.
+    # The runtime keeps a C++ compiler for Inductor: every token-row step runs
+    # the compiled step, and without a compiler the plan falls back to the
+    # eager forward (decode steps eager), 1.04-1.34x slower at one row.
     build_envs = " ".join(args for op, args in stages["cpu-build"] if op == "ENV")
     cpu_envs = " ".join(args for op, args in cpu if op == "ENV")
     [cache] = re.findall(r"BATON_KERNEL_CACHE=(\S+)", build_envs)
@@ -276,7 +278,8 @@ def test_dockerfile_targets():
     assert re.search(r"apt-get install[^&]*\bgcc\b[^&]*\bg\+\+[^&]*\blibc6-dev\b", build_runs)
     assert "python -m backends.kernels" in build_runs
     cpu_runs = " ".join(args for op, args in cpu if op == "RUN")
-    assert "gcc" not in cpu_runs and "apt-get" not in cpu_runs
+    assert re.search(r"apt-get install[^&]*--no-install-recommends[^&]*\bg\+\+", cpu_runs)
+    assert "rm -rf /var/lib/apt/lists/*" in cpu_runs
     assert re.search(r"ARG TORCH_VERSION=2\.13\.0", (ROOT / "Dockerfile").read_text())
     assert re.search(r"ARG CUDA_IMAGE=pytorch/pytorch:[\w.]+-cuda[\d.]+-cudnn\d+-runtime",
                      (ROOT / "Dockerfile").read_text())
