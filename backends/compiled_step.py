@@ -133,6 +133,12 @@ class CompiledStep:
             # AMX Xeon: 0.91-0.99x the Python wrapper's step, a first
             # compile about twice as long (docs/benchmarks.md).
             "cpp_wrapper": True,
+            # The wrapper (a few thousand lines of operator calls) built at
+            # -O1 apart from the generated loops (-O3): a first start of the
+            # embedded model ready in 82 s instead of 128 on the AVX2 EPYC;
+            # steps level (one row 1.02x, 16 alternating pairs, 0.92-1.17;
+            # 32 rows 1.00x, 8 pairs; docs/benchmarks.md).
+            "cpp_wrapper_build_separate": True,
         }
         self._fn = torch.compile(forward, fullgraph=True, dynamic=False, options=options)
         self.graphs_built: set[str] = set()
