@@ -30,8 +30,8 @@ could do more; a kind the CPU cannot run is refused.
 The model's architecture options (backends/config.py) are the third input:
 where a native kernel cannot compute what an architecture asks for
 (sliding-window or soft-capped attention, GeGLU, partial rotary, a mixture of
-experts), the plan gives that step the torch implementation and says so in a note. The
-model never asks what is available.
+experts), the plan gives that step the torch implementation and says so in a
+note. The model never asks what is available.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ QUANTIZED_LINEARS = ("int8", "int4", "gguf")
 # (a burst's prefill-only step), so oneDNN keeps the calls above 1024 rows,
 # and its packed copy of the weights stays.
 AMX_PREFILL_ROWS = 1024
-# Rows a decode step may hold where its linears run on AMX tiles and still
-# read the weights about once (a c=32 step; the bf16 gemv's 4 elsewhere):
-# the speculative budget (ExecutionPlan.few_rows).
+# Rows a decode step may hold and still read the weights about once: the
+# bf16 gemv's (GemvBf16.max_rows, kernels.h's BATON_GEMV_MAX_ROWS), and a c=32
+# step where the linears run on AMX tiles. The speculative budget
+# (ExecutionPlan.few_rows).
+GEMV_ROWS = 4
 AMX_FEW_ROWS = 32
 
 
@@ -250,7 +252,7 @@ class ExecutionPlan:
         gemv's 4; 0 where neither runs."""
         if self.amx_linear_rows:
             return AMX_FEW_ROWS
-        return 4 if self.linear == "bf16-gemv+onednn" else 0
+        return GEMV_ROWS if self.linear == "bf16-gemv+onednn" else 0
 
     @property
     def torch_decode_masks(self) -> bool:
@@ -405,8 +407,8 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     elif activation == "bfloat16" and native and onednn:
         # Native bf16: oneDNN's bf16 kernels (AMX where present) for batches,
         # the tiled bf16 gemv for a few rows (a second copy of the weights:
-        # oneDNN's packed layout is
-        # opaque, and its kernels are slower than the gemv at one row).
+        # oneDNN's packed layout is opaque, and its kernels are slower than
+        # the gemv at one row).
         linear = "bf16-gemv+onednn"
     else:
         linear = "onednn" if onednn else "torch"

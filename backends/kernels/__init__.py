@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from backends.execution import GEMV_ROWS
 from backends.progress import heartbeat
 
 log = logging.getLogger("baton.kernels")
@@ -329,7 +330,7 @@ class GemvBf16:
 
     TILE_ROWS = 16
     TILE_COLS = 32
-    max_rows = 4  # BATON_GEMV_MAX_ROWS
+    max_rows = GEMV_ROWS  # BATON_GEMV_MAX_ROWS
 
     def __init__(self, kind: str) -> None:
         self.kind = kind_id(kind)
