@@ -136,8 +136,9 @@ int baton_int4_linear(const float *x, const uint8_t *codes, const float *scales,
 /* 8-bit rows: c [K] in pair layout (blocks 2i and 2i + 1 in 64 bytes: even
  * columns of 2i, of 2i + 1, odd columns of 2i, of 2i + 1; a last block alone
  * is [even | odd]), matching a 32-byte load of two blocks' codes split into
- * low and high nibbles; d [K / 32] the blocks' scales. */
-/* Where block b of B holds its even and its odd columns in the pair layout. */
+ * low and high nibbles; d [K / 32] the blocks' scales.
+ *
+ * Where block b of B holds its even and its odd columns in that layout: */
 static inline void q8_columns(int64_t b, int64_t B, int64_t *even, int64_t *odd) {
     const int64_t pair = b & ~(int64_t)1;
     const int single = pair + 1 >= B;
@@ -145,6 +146,7 @@ static inline void q8_columns(int64_t b, int64_t B, int64_t *even, int64_t *odd)
     *odd = *even + (single ? 16 : 32);
 }
 
+/* Row x [K] to c and d (above), and xs [K / group] its groups' sums. */
 static void q8_quantize_row(const float *x, int64_t K, int64_t group, int8_t *c, float *d,
                             float *xs) {
     const int64_t B = K / 32, per = group / 32;
