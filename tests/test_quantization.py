@@ -249,6 +249,69 @@ def test_native_q8_0_kernel_with_int8_rows(kind, out, width, bias):
                                        native.kind)
 
 
+@pytest.mark.parametrize("kind", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("width", [96, 320, 576])
+def test_gguf_float16_scales_are_kept_and_widened_exactly(kind, width):
+    """A Q4_0 / Q4_1 file's scales and minimums are float16 values: with
+    8-bit rows the module keeps them in float16 (a sixth fewer bytes a step
+    than float32 at 4 bits), and the kernel widens them exactly, so its bits
+    equal those from float32 copies of the same values at every row count
+    (runs of eight blocks and the ones after them: 3, 10 and 18 blocks);
+    Q8_0's scales likewise. Values that are not all float16, groups other
+    than 32 and float32 rows keep float32."""
+    kind = _kind_or_skip(kind)
+    rng = np.random.default_rng(width)
+    array = rng.standard_normal((40, width), dtype=np.float32)
+    x = torch.from_numpy(rng.standard_normal((49, width), dtype=np.float32))
+    b = torch.from_numpy(rng.standard_normal(40, dtype=np.float32))
+    op = torch.ops.baton.int4_linear
+    for ggml in (T.Q4_0, T.Q4_1):
+        linear = Int4Linear(q4_to_int4(_blocks(array, ggml)), b, torch.device("cpu"),
+                            torch.float32, native_kind=kind, q8=True)
+        assert linear.scales.dtype == linear.mins.dtype == torch.float16
+        for rows in (1, 2, 3, 4, 5, 9, 49):
+            wide = op(x[:rows], linear.weight, linear.scales.float(), linear.mins.float(), b,
+                      32, linear.kind, True)
+            assert torch.equal(linear(x[:rows]), wide), (ggml, rows)
+    codes, scales = q8_0_to_int8(_blocks(array, T.Q8_0))
+    native = BlockInt8Linear(codes, scales, b, native_kind=kind)
+    assert native.scales.dtype == torch.float16
+    for rows in (1, 4, 9):
+        assert torch.equal(native(x[:rows]), torch.ops.baton.int8_linear_q8(
+            x[:rows], native.weight, native.scales.float(), b, native.kind))
+    cpu = torch.device("cpu")
+    assert Int4Linear(quantize_int4(torch.from_numpy(array), 32), b, cpu, torch.float32,
+                      native_kind=kind, q8=True).scales.dtype == torch.float32
+    q = q4_to_int4(_blocks(array, T.Q4_1))
+    assert Int4Linear(q, b, cpu, torch.float32, native_kind=kind).scales.dtype == torch.float32
+    q.group_size, q.scales, q.zeros = 64, q.scales[:, ::2], q.zeros[:, ::2]
+    assert Int4Linear(q, b, cpu, torch.float32, native_kind=kind,
+                      q8=True).scales.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["portable", "avx2", "avx512"])
+def test_every_float16_scale_widens_exactly(kind):
+    """Every one of the 65,536 float16 bit patterns as a Q8_0 scale (zeros,
+    subnormals, normals, infinities, NaNs): the kernel's widening gives the
+    same outputs as torch's float32 copy of the same values."""
+    from backends.kernels import kind_id
+    kind = _kind_or_skip(kind)
+    scales = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(
+        torch.float16).view(-1, 1)
+    codes = torch.zeros(scales.shape[0], 32, dtype=torch.int8)
+    codes[:, 0] = 1
+    x = torch.zeros(1, 32)
+    x[0, 0] = 3.0
+    op = torch.ops.baton.int8_linear_q8
+    got = op(x, codes, scales, None, kind_id(kind))
+    torch.testing.assert_close(got, op(x, codes, scales.float(), None, kind_id(kind)),
+                               rtol=0, atol=0, equal_nan=True)
+    # x's block rounds to the code 127 on the scale d = 3 / 127: y = 127 * (s * d)
+    d = torch.tensor(3.0) / 127.0
+    finite = scales.isfinite().view(-1)
+    assert torch.equal(got[0, finite], scales.view(-1)[finite].float() * d * 127.0)
+
+
 def test_native_int4_kernel_checks_its_inputs():
     kind = _kind_or_skip("portable")
     from backends.kernels import kind_id
@@ -266,6 +329,14 @@ def test_native_int4_kernel_checks_its_inputs():
         op(x, codes[:, :16].contiguous(), scales, mins, None, 32, k)
     with pytest.raises(RuntimeError, match="scales and mins must be"):
         op(x, codes, scales[:, :1].contiguous(), mins, None, 32, k)
+    half = scales.half()
+    assert op(x, codes, half, mins.half(), None, 32, k, True).shape == (2, 8)
+    with pytest.raises(RuntimeError, match="both the same"):
+        op(x, codes, half, mins, None, 32, k, True)
+    with pytest.raises(RuntimeError, match="8-bit rows"):
+        op(x, codes, half, mins.half(), None, 32, k)
+    with pytest.raises(RuntimeError, match="groups of 32 only"):
+        op(x, codes, half[:, :1].contiguous(), half[:, :1].contiguous(), None, 64, k, True)
     with pytest.raises(RuntimeError, match="bias must hold"):
         op(x, codes, scales, mins, torch.zeros(3), 32, k)
 

@@ -146,6 +146,12 @@ static inline void q8_columns(int64_t b, int64_t B, int64_t *even, int64_t *odd)
     *odd = *even + (single ? 16 : 32);
 }
 
+/* Scale (or min) i, float32 or float16 (half). */
+static inline __attribute__((always_inline)) float q8_scale(const void *s, int64_t i,
+                                                            const int half) {
+    return half ? baton_f16_to_f32(((const uint16_t *)s)[i]) : ((const float *)s)[i];
+}
+
 /* Row x [K] to c and d (above), and xs [K / group] its groups' sums. */
 static void q8_quantize_row(const float *x, int64_t K, int64_t group, int8_t *c, float *d,
                             float *xs) {
@@ -199,10 +205,17 @@ static inline __attribute__((always_inline)) __m256 q8_fold8(const __m256i p[4],
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, _mm256_loadu_ps(d)), acc);
 }
 
+/* Eight scales (or mins) from i on, float32 or float16 (half). */
+static inline __attribute__((always_inline)) __m256 q8_scales8(const void *s, int64_t i,
+                                                               const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + i)))
+                : _mm256_loadu_ps((const float *)s + i);
+}
+
 static inline __attribute__((always_inline)) void q8_rows(
-        const uint8_t *q, const float *scale, const float *min, const int8_t *c, const float *d,
-        const float *xs, int64_t K, int64_t G, int ratio, __m256i order, __m256i mask,
-        const int rows, float *out) {
+        const uint8_t *q, const void *scale, const void *min, const int half, const int8_t *c,
+        const float *d, const float *xs, int64_t K, int64_t G, int ratio, __m256i order,
+        __m256i mask, const int rows, float *out) {
     const int64_t B = K / 32;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[INT4_ROWS];
@@ -219,9 +232,11 @@ static inline __attribute__((always_inline)) void q8_rows(
             lo[p] = _mm256_and_si256(v, nibble);
             hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         }
-        /* the 8 blocks' weight scales (a group of 32 * ratio columns has one) */
-        const __m256 s = ratio == 1 ? _mm256_loadu_ps(scale + b)
-            : _mm256_permutevar8x32_ps(_mm256_maskload_ps(scale + b / ratio, mask), order);
+        /* the 8 blocks' weight scales (a group of 32 * ratio columns has one;
+         * float16 scales come in groups of 32) */
+        const __m256 s = ratio == 1 ? q8_scales8(scale, b, half)
+            : _mm256_permutevar8x32_ps(
+                  _mm256_maskload_ps((const float *)scale + b / ratio, mask), order);
         for (int m = 0; m < rows; m++) {
             const int8_t *cm = c + m * K + 32 * b;
             __m256i p32[4];
@@ -246,7 +261,8 @@ static inline __attribute__((always_inline)) void q8_rows(
             const __m128i e = _mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i *)(cm + even)));
             const __m128i o = _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i *)(cm + odd)));
             const __m128i p = _mm_madd_epi16(_mm_add_epi16(e, o), _mm256_castsi256_si128(ones));
-            tail[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(scale[b / ratio] * d[m * B + b]),
+            tail[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(p),
+                                   _mm_set1_ps(q8_scale(scale, b / ratio, half) * d[m * B + b]),
                                    tail[m]);
         }
     }
@@ -254,9 +270,9 @@ static inline __attribute__((always_inline)) void q8_rows(
         __m256 mv = _mm256_setzero_ps();
         int64_t g = 0;
         for (; g + 8 <= G; g += 8)
-            mv = _mm256_fmadd_ps(_mm256_loadu_ps(min + g), _mm256_loadu_ps(xs + m * G + g), mv);
+            mv = _mm256_fmadd_ps(q8_scales8(min, g, half), _mm256_loadu_ps(xs + m * G + g), mv);
         float mt = 0.0f;
-        for (; g < G; g++) mt = fmaf(min[g], xs[m * G + g], mt);
+        for (; g < G; g++) mt = fmaf(q8_scale(min, g, half), xs[m * G + g], mt);
         out[m] = baton_hsum256(_mm256_add_ps(acc[m], _mm256_zextps128_ps256(tail[m])))
                + (baton_hsum256(mv) + mt);
     }
@@ -266,8 +282,8 @@ static inline __attribute__((always_inline)) void q8_rows(
  * 32): the same sums with signed codes, |w| against sign(c, w) (VPSIGNB) so
  * that VPMADDUBSW's unsigned operand is |w| <= 128. */
 static inline __attribute__((always_inline)) void q8w_rows(
-        const int8_t *w, const float *scale, const int8_t *c, const float *d, int64_t K,
-        const int rows, float *out) {
+        const int8_t *w, const void *scale, const int half, const int8_t *c, const float *d,
+        int64_t K, const int rows, float *out) {
     const int64_t B = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[INT4_ROWS];
@@ -278,7 +294,7 @@ static inline __attribute__((always_inline)) void q8w_rows(
     }
     int64_t b = 0;
     for (; b + 8 <= B; b += 8) {
-        const __m256 s = _mm256_loadu_ps(scale + b);
+        const __m256 s = q8_scales8(scale, b, half);
         for (int m = 0; m < rows; m++) {
             const int8_t *cm = c + m * K + 32 * b, *wb = w + 32 * b;
             __m256i p32[4];
@@ -308,8 +324,8 @@ static inline __attribute__((always_inline)) void q8w_rows(
                 _mm_abs_epi8(vo), _mm_sign_epi8(_mm_loadu_si128((const __m128i *)(cm + odd)), vo));
             const __m128i p = _mm_add_epi32(_mm_madd_epi16(e, _mm256_castsi256_si128(ones)),
                                             _mm_madd_epi16(o, _mm256_castsi256_si128(ones)));
-            tail[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(scale[b] * d[m * B + b]),
-                                   tail[m]);
+            tail[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(p),
+                                   _mm_set1_ps(q8_scale(scale, b, half) * d[m * B + b]), tail[m]);
         }
     }
     for (int m = 0; m < rows; m++)
@@ -320,7 +336,7 @@ static inline __attribute__((always_inline)) void q8w_rows(
 #ifndef BATON_AVX2
 /* The same sums in plain C: each block's integer sum exact, the float terms
  * in block order (bits differ from the AVX2 order within float32 rounding). */
-static void q8_rows_generic(const uint8_t *q, const float *scale, const float *min,
+static void q8_rows_generic(const uint8_t *q, const void *scale, const void *min, int half,
                             const int8_t *c, const float *d, const float *xs, int64_t K,
                             int64_t G, int ratio, int bits, int rows, float *out) {
     const int64_t B = K / 32;
@@ -339,10 +355,11 @@ static void q8_rows_generic(const uint8_t *q, const float *scale, const float *m
                     isum += w[even + j] * cm[even + j] + w[odd + j] * cm[odd + j];
                 }
             }
-            acc = fmaf((float)isum, scale[b / ratio] * d[m * B + b], acc);
+            acc = fmaf((float)isum, q8_scale(scale, b / ratio, half) * d[m * B + b], acc);
         }
         float mt = 0.0f;
-        for (int64_t g = 0; min != NULL && g < G; g++) mt = fmaf(min[g], xs[m * G + g], mt);
+        for (int64_t g = 0; min != NULL && g < G; g++)
+            mt = fmaf(q8_scale(min, g, half), xs[m * G + g], mt);
         out[m] = acc + mt;
     }
 }
@@ -350,11 +367,13 @@ static void q8_rows_generic(const uint8_t *q, const float *scale, const float *m
 
 /* The 8-bit rows of x against 4-bit (bits 4: codes [N, K/2], mins) or
  * 8-bit weights (bits 8: int8 codes [N, K] in the rows' pair layout, no
- * mins, group 32). */
-static int q8_linear(const float *x, const uint8_t *codes, const float *scales,
-                     const float *mins, const float *bias, float *y, int64_t M, int64_t N,
-                     int64_t K, int64_t group, int bits, int num_threads) {
-    if (group < 32 || group > 256 || group % 32 || K % group) return 1;
+ * mins, group 32). Scales and mins [N, K/group] float32, or float16 bits
+ * (half, group 32 only): a GGUF file's own, a sixth less to read a step at
+ * 4 bits, widened exactly where they are loaded: the same sums. */
+static int q8_linear(const float *x, const uint8_t *codes, const void *scales,
+                     const void *mins, int half, const float *bias, float *y, int64_t M,
+                     int64_t N, int64_t K, int64_t group, int bits, int num_threads) {
+    if (group < 32 || group > 256 || group % 32 || K % group || (half && group != 32)) return 1;
     const int64_t stride = bits == 4 ? K / 2 : K, G = K / group, B = K / 32;
     const int ratio = (int)(group / 32);
     int8_t *c = (int8_t *)malloc(M * K + sizeof(float) * M * (B + G));
@@ -382,11 +401,15 @@ static int q8_linear(const float *x, const uint8_t *codes, const float *scales,
             const float *dm = d + m0 * B, *xsm = xs + m0 * G;
             for (int64_t n = t * INT4_CHUNK; n < n1; n++) {
                 const uint8_t *q = codes + n * stride;
-                const float *sc = scales + n * G, *mn = mins ? mins + n * G : NULL;
+                const int64_t at = n * G * (half ? 2 : 4);  /* bytes */
+                const void *sc = (const char *)scales + at;
+                const void *mn = mins ? (const char *)mins + at : NULL;
                 float out[INT4_ROWS];
 #ifdef BATON_AVX2
-#define Q8_CASE(r) if (bits == 4) q8_rows(q, sc, mn, cm, dm, xsm, K, G, ratio, vorder, vmask, r, out); \
-                   else q8w_rows((const int8_t *)q, sc, cm, dm, K, r, out)
+#define Q8_ROWS(r, h)                                                                \
+    if (bits == 4) q8_rows(q, sc, mn, h, cm, dm, xsm, K, G, ratio, vorder, vmask, r, out); \
+    else q8w_rows((const int8_t *)q, sc, h, cm, dm, K, r, out)
+#define Q8_CASE(r) if (half) { Q8_ROWS(r, 1); } else { Q8_ROWS(r, 0); }
                 switch (rows) {  /* constant row counts: accumulators in registers */
                 case 1: Q8_CASE(1); break;
                 case 2: Q8_CASE(2); break;
@@ -394,8 +417,9 @@ static int q8_linear(const float *x, const uint8_t *codes, const float *scales,
                 default: Q8_CASE(4); break;
                 }
 #undef Q8_CASE
+#undef Q8_ROWS
 #else
-                q8_rows_generic(q, sc, mn, cm, dm, xsm, K, G, ratio, bits, rows, out);
+                q8_rows_generic(q, sc, mn, half, cm, dm, xsm, K, G, ratio, bits, rows, out);
 #endif
                 for (int m = 0; m < rows; m++)
                     y[(m0 + m) * N + n] = out[m] + (bias ? bias[n] : 0.0f);
@@ -406,16 +430,16 @@ static int q8_linear(const float *x, const uint8_t *codes, const float *scales,
     return 0;
 }
 
-int baton_int4_linear_q8(const float *x, const uint8_t *codes, const float *scales,
-                         const float *mins, const float *bias, float *y, int64_t M, int64_t N,
-                         int64_t K, int64_t group, int num_threads) {
-    return q8_linear(x, codes, scales, mins, bias, y, M, N, K, group, 4, num_threads);
+int baton_int4_linear_q8(const float *x, const uint8_t *codes, const void *scales,
+                         const void *mins, int half, const float *bias, float *y, int64_t M,
+                         int64_t N, int64_t K, int64_t group, int num_threads) {
+    return q8_linear(x, codes, scales, mins, half, bias, y, M, N, K, group, 4, num_threads);
 }
 
-int baton_int8_linear_q8(const float *x, const int8_t *codes, const float *scales,
+int baton_int8_linear_q8(const float *x, const int8_t *codes, const void *scales, int half,
                          const float *bias, float *y, int64_t M, int64_t N, int64_t K,
                          int num_threads) {
-    return q8_linear(x, (const uint8_t *)codes, scales, NULL, bias, y, M, N, K, 32, 8,
+    return q8_linear(x, (const uint8_t *)codes, scales, NULL, half, bias, y, M, N, K, 32, 8,
                      num_threads);
 }
 

@@ -203,6 +203,24 @@ static inline void baton_load_bf16(const uint16_t *src, float *dst, int64_t n) {
     for (; i < n; i++) dst[i] = baton_bf16_to_f32(src[i]);
 }
 
+/* ------------------------------------------------------------ float16 */
+/* IEEE binary16 bits to float32, exactly (GGUF's block scales). */
+static inline float baton_f16_to_f32(uint16_t h) {
+#if defined(BATON_AVX2) && defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    union { uint32_t u; float f; } v;
+    if (e == 0) {  /* zero or subnormal: m * 2^-24, exact in float32 */
+        v.f = (float)m * 0x1p-24f;
+        v.u |= sign;
+    } else {       /* normal, or infinity / NaN (exponent 31 -> 255) */
+        v.u = sign | (e == 31 ? 0xFFu << 23 : (e + 112) << 23) | m << 13;
+    }
+    return v.f;
+#endif
+}
+
 /* sum(x[i] * y[i]) with y in bfloat16 */
 static inline float baton_dot_bf16(const float *x, const uint16_t *y, int64_t n) {
     int64_t i = 0;

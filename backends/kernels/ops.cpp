@@ -62,9 +62,9 @@ extern "C" {
                                const float*, float*, int64_t, int64_t, int64_t, int64_t, int);\
   int baton_int4_decode_##kind(const uint8_t*, const float*, const float*, float*, int64_t,   \
                                int64_t, int64_t, int);                                       \
-  int baton_int4_linear_q8_##kind(const float*, const uint8_t*, const float*, const float*,   \
+  int baton_int4_linear_q8_##kind(const float*, const uint8_t*, const void*, const void*, int,\
                                   const float*, float*, int64_t, int64_t, int64_t, int64_t, int);\
-  int baton_int8_linear_q8_##kind(const float*, const int8_t*, const float*, const float*,    \
+  int baton_int8_linear_q8_##kind(const float*, const int8_t*, const void*, int, const float*, \
                                   float*, int64_t, int64_t, int64_t, int);                    \
   int baton_kernels_avx2_##kind(void);
 BATON_DECLARE(portable)
@@ -415,8 +415,21 @@ bool kind_runs(int64_t kind);
 // kInt4NativeRows rows decode W in registers; more take slices of W decoded
 // to float32 (about 8 MB at a time) through torch's float32 matmul, where a
 // row's sums run in that library's order. q8: rows rounded to int8 in blocks
-// of 32 and integer products (baton_int4_linear_q8), at every row count.
+// of 32 and integer products (baton_int4_linear_q8), at every row count; its
+// scales and mins may be float16 instead (both, exact values widened).
 constexpr int64_t kInt4NativeRows = 48;
+
+// Scales (and mins) of the 8-bit rows: float32 or float16, [n, groups]; true for float16.
+bool q8_scales(const at::Tensor& t, const at::Tensor& like, int64_t n, int64_t groups) {
+  check_cpu(t, "scales and mins");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
+              "baton: scales and mins must be float32 or float16, both the same, got ",
+              t.scalar_type(), " and ", like.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == groups,
+              "baton: scales and mins must be [", n, ", ", groups, "]");
+  return t.scalar_type() == at::kHalf;
+}
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& mins, const std::optional<at::Tensor>& bias,
@@ -431,11 +444,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t n = codes.size(0);
   TORCH_CHECK(group >= 32 && group % 32 == 0 && kk % group == 0,
               "baton: the group size must be a multiple of 32 dividing ", kk);
-  for (const auto* t : {&scales, &mins}) {
-    check_like(*t, x, "scales and mins");
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == kk / group,
-                "baton: scales and mins must be [", n, ", ", kk / group, "]");
-  }
+  const bool half = q8_scales(scales, mins, n, kk / group);
+  q8_scales(mins, scales, n, kk / group);
+  TORCH_CHECK(!half || (q8 && group == 32),
+              "baton: float16 scales are for the 8-bit rows (q8) with groups of 32 only");
   if (bias) {
     check_like(*bias, x, "bias");
     TORCH_CHECK(bias->numel() == n, "baton: bias must hold ", n, " values");
@@ -445,7 +457,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   if (q8) {
     TORCH_CHECK(group <= 256, "baton: 8-bit rows take groups of at most 256");
     check_rc(int4_linear_q8_fn[k](x.data_ptr<float>(), codes.data_ptr<uint8_t>(),
-                                  scales.data_ptr<float>(), mins.data_ptr<float>(),
+                                  scales.data_ptr(), mins.data_ptr(), half,
                                   bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
                                   m, n, kk, group, threads()),
              "int4_linear_q8");
@@ -479,7 +491,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 // y = x @ W^T (+ bias) for float32 rows x [M, K] and Q8_0 weights
 // (int4_linear.c, baton_int8_linear_q8): int8 codes [N, K] in the 8-bit rows'
-// pair layout, scales float32 [N, K/32]; x rounded to int8 blocks of 32.
+// pair layout, scales float32 or float16 [N, K/32]; x rounded to int8 blocks of 32.
 at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           const std::optional<at::Tensor>& bias, int64_t kind) {
   const int k = check_kind(kind);
@@ -491,9 +503,7 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
               "baton: codes must be int8 [N, ", kk, "]");
   TORCH_CHECK(kk % 32 == 0, "baton: the input width must be a multiple of 32");
   const int64_t n = codes.size(0);
-  check_like(scales, x, "scales");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == kk / 32,
-              "baton: scales must be [", n, ", ", kk / 32, "]");
+  const bool half = q8_scales(scales, scales, n, kk / 32);
   if (bias) {
     check_like(*bias, x, "bias");
     TORCH_CHECK(bias->numel() == n, "baton: bias must hold ", n, " values");
@@ -501,7 +511,7 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   check_rc(int8_linear_q8_fn[k](x.data_ptr<float>(), codes.data_ptr<int8_t>(),
-                                scales.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                                scales.data_ptr(), half, bias ? bias->data_ptr<float>() : nullptr,
                                 y.data_ptr<float>(), m, n, kk, threads()),
            "int8_linear_q8");
   return y;

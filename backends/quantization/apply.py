@@ -101,7 +101,7 @@ def load_quantized(model: nn.Module, weights: Mapping[str, Any], spec: Quantizat
         model.lm_head = BlockInt8Linear(codes.to(device), scales.to(device), None, int4_native)
         log.info("gguf: output layer Q8_0 kept as int8 codes for the native %s kernel's "
                  "8-bit rows (exact; %.0f MB)", int4_native,
-                 (codes.numel() + 4 * scales.numel()) / 1e6)
+                 (codes.numel() + 2 * scales.numel()) / 1e6)
     left = [name for name, t in chain(model.named_parameters(), model.named_buffers())
             if t.is_meta]
     if left:  # DecoderLM grew a tensor the weight spec does not list
@@ -180,7 +180,8 @@ def _gguf_projection(tensors: list[Any], bias: torch.Tensor | None, device: torc
         if int4_native:
             rows = "rows rounded to int8 blocks of 32" if int4_q8 else "float32 arithmetic"
             return module, (f"{named} kept as int4 groups of 32 for the native {int4_native} "
-                            f"int4 kernel (codes exact; scales and minimums in float32; {rows})")
+                            f"int4 kernel (codes exact; scales and minimums in "
+                            f"{str(module.scales.dtype).removeprefix('torch.')}; {rows})")
         return module, (f"{named} kept as int4 groups of 32 for torch's int4 kernel (codes "
                         f"exact; scales and zeros in {module.scales_and_zeros.dtype})")
     if types == {"Q8_0"}:

@@ -149,7 +149,8 @@ class BlockInt8Linear(nn.Module):
     activations), Baton's kernel instead: each block of 32 of a row rounded
     to int8 and the products summed in integers
     (``torch.ops.baton.int8_linear_q8``, backends/kernels/int4_linear.c),
-    the codes held in that kernel's pair layout, scales in float32.
+    the codes held in that kernel's pair layout, scales in the file's
+    float16 (the kernel widens them exactly).
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
@@ -160,7 +161,7 @@ class BlockInt8Linear(nn.Module):
         if native_kind is not None:
             from backends.kernels import kind_id
             self.kind = kind_id(native_kind)
-            codes, scales = pair_layout(codes), scales.to(torch.float32).contiguous()
+            codes, scales = pair_layout(codes), scales.half().contiguous()
             bias = None if bias is None else bias.to(torch.float32).contiguous()
         self.register_buffer("weight", codes)
         self.register_buffer("scales", scales)

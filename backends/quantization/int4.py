@@ -87,6 +87,11 @@ def quantize_int4(weight: torch.Tensor, group_size: int,
                        group_size)
 
 
+def _exact_in_half(t: torch.Tensor) -> bool:
+    """Every value of float32 ``t`` is a float16 (widening it back gives the same bits)."""
+    return bool(torch.equal(t.half().float(), t))
+
+
 class Int4Linear(nn.Module):
     """y = x @ dequant(W).T + bias through torch's int4 kernel for the device,
     or, given ``native_kind`` (float32 activations on a CPU without native
@@ -102,7 +107,9 @@ class Int4Linear(nn.Module):
     the serving dtype or None. N' is N rounded up to a multiple of 16 (the
     kernels pack rows in tiles); the padding rows are zero and sliced off.
     The native kernel: ``weight`` the packed codes [N, K/2], ``scales`` and
-    ``mins`` float32 [N, K/G] (w = q * scale + min), ``bias`` float32.
+    ``mins`` float32 [N, K/G] (w = q * scale + min), ``bias`` float32; with
+    8-bit rows, ``scales`` and ``mins`` are float16 where every value is one
+    (a Q4_0 / Q4_1 file's), the kernel widening them exactly.
     """
 
     def __init__(self, weights: Int4Weights, bias: torch.Tensor | None,
@@ -118,10 +125,15 @@ class Int4Linear(nn.Module):
         if native_kind is not None:
             from backends.kernels import kind_id
             self.kind = kind_id(native_kind)
+            scales = weights.scales.to(torch.float32).contiguous()
+            mins = (weights.zeros - 8.0 * weights.scales).to(torch.float32).contiguous()
+            if q8 and self.group_size == 32 and _exact_in_half(scales) and _exact_in_half(mins):
+                # A GGUF file's Q4_0 / Q4_1 values: the same numbers in half the
+                # bytes (a sixth less to read a step), widened by the kernel.
+                scales, mins = scales.half(), mins.half()
             self.register_buffer("weight", weights.packed.contiguous())
-            self.register_buffer("scales", weights.scales.to(torch.float32).contiguous())
-            self.register_buffer("mins", (weights.zeros - 8.0 * weights.scales)
-                                 .to(torch.float32).contiguous())
+            self.register_buffer("scales", scales)
+            self.register_buffer("mins", mins)
             self.register_buffer(
                 "bias", None if bias is None else bias.to(torch.float32).contiguous())
             return
