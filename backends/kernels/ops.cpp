@@ -419,8 +419,8 @@ bool kind_runs(int64_t kind);
 // scales and mins may be float16 instead (both, exact values widened).
 constexpr int64_t kInt4NativeRows = 48;
 
-// Scales (and mins) of the 8-bit rows: float32 or float16, [n, groups]; true for float16.
-bool q8_scales(const at::Tensor& t, const at::Tensor& like, int64_t n, int64_t groups) {
+// Scales or mins [n, groups], float32 or float16 like `like`; true for float16.
+bool check_scales(const at::Tensor& t, const at::Tensor& like, int64_t n, int64_t groups) {
   check_cpu(t, "scales and mins");
   TORCH_CHECK(t.scalar_type() == like.scalar_type() &&
                   (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
@@ -444,8 +444,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t n = codes.size(0);
   TORCH_CHECK(group >= 32 && group % 32 == 0 && kk % group == 0,
               "baton: the group size must be a multiple of 32 dividing ", kk);
-  const bool half = q8_scales(scales, mins, n, kk / group);
-  q8_scales(mins, scales, n, kk / group);
+  const bool half = check_scales(scales, mins, n, kk / group);
+  check_scales(mins, scales, n, kk / group);
   TORCH_CHECK(!half || (q8 && group == 32),
               "baton: float16 scales are for the 8-bit rows (q8) with groups of 32 only");
   if (bias) {
@@ -503,7 +503,7 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
               "baton: codes must be int8 [N, ", kk, "]");
   TORCH_CHECK(kk % 32 == 0, "baton: the input width must be a multiple of 32");
   const int64_t n = codes.size(0);
-  const bool half = q8_scales(scales, scales, n, kk / 32);
+  const bool half = check_scales(scales, scales, n, kk / 32);
   if (bias) {
     check_like(*bias, x, "bias");
     TORCH_CHECK(bias->numel() == n, "baton: bias must hold ", n, " values");
