@@ -423,22 +423,29 @@ def _functions() -> dict[str, list[str]]:
 
 
 def test_attention_prefetches_survive_the_compiler():
-    """The AVX-512 attention asks for the next block's K and V lines ahead
-    (paged_attention.c's prefetch_part). GCC 12 deleted those loops without a
-    word once their addresses came from the block table through a helper (a
-    prefetch builtin has no effect the compiler must keep): every kernel test
-    still passed and a 32-row step's attention ran ~20% slower. They are asm
-    statements now; the built library must still hold them, one site at least
-    per AVX-512 kind in the attention's code."""
-    avx512_kinds = [k for k in ("avx512", "avx512_bf16") if k in CPU.kinds
-                    and native.available(k)[0]]
-    if not avx512_kinds:
-        pytest.skip(f"this CPU ({CPU.describe()}) runs no AVX-512 kind: the prefetching "
+    """The AVX2 and AVX-512 attention asks for the next block's K and V lines
+    ahead (paged_attention.c's prefetch_part). GCC 12 deleted those loops
+    without a word once their addresses came from the block table through a
+    helper (a prefetch builtin has no effect the compiler must keep): every
+    kernel test still passed and a 32-row step's attention ran ~20% slower.
+    They are asm statements now; the built library must still hold them, one
+    site at least per kind in the attention's code, and in the AVX2 walk's
+    (the float32 scores and the values, also the AVX-512 kinds' fallback)
+    two at least: its scores and its values."""
+    kinds = [k for k in ("avx2", "avx512", "avx512_bf16") if k in CPU.kinds
+             and native.available(k)[0]]
+    if not kinds:
+        pytest.skip(f"this CPU ({CPU.describe()}) runs no AVX2 kind: the prefetching "
                     "paths are not built")
-    sites = sum(1 for name, lines in _functions().items()
+    functions = _functions()
+    sites = sum(1 for name, lines in functions.items()
                 if "attention" in name or "scores_amx" in name
                 for line in lines if "prefetcht0" in line)
-    assert sites >= len(avx512_kinds), sites
+    assert sites >= len(kinds), sites
+    grouped = sum(1 for name, lines in functions.items()
+                  if re.match(r"(attention_task|scores|values)_grouped", name)
+                  for line in lines if "prefetcht0" in line)
+    assert grouped >= 2, grouped
 
 
 def test_bf16_gemv_keeps_its_chains_in_registers():

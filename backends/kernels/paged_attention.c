@@ -18,16 +18,18 @@
  * path depends on the thread count. Within a build, scores path and thread
  * count the result is one function of the inputs (with or without lse).
  *
- * The AVX-512 paths (their bf16 scores and their values) prefetch the next
- * sixteen positions of their walk while they work on the current ones, of
- * each slot the kv heads the task reads (all of them for a task of a whole
- * row, one for a task of one kv head): K's blocks in turn, then V's first,
- * then V's; the AMX scores and the values in parts spread over that work
- * (prefetch_part), the VDPBF16PS scores at once. The hardware prefetchers
- * start afresh at every scattered block, and the arithmetic otherwise runs
- * while few loads are in flight. (Until 2026-12-06 they fetched whole
- * slots whatever the task read: a one-kv-head task of SmolLM2-1.7B's shape,
- * 32 kv heads, read 32 times the bytes it used; docs/benchmarks.md.)
+ * Every AVX2 and AVX-512 path prefetches the next sixteen positions of its
+ * walk while it works on the current ones, of each slot the kv heads the
+ * task reads (all of them for a task of a whole row, one for a task of one
+ * kv head): K's blocks in turn, then V's first, then V's; the AMX and float32
+ * scores and the values in parts spread over that work (prefetch_part), the
+ * VDPBF16PS scores at once. The hardware prefetchers start afresh at every
+ * scattered block, and the arithmetic otherwise runs while few loads are in
+ * flight (the AVX2 kind's, added 2026-12-07: a 135M gguf one-row step on
+ * the AVX2 EPYC 0.92x as long; docs/benchmarks.md). (Until 2026-12-06 the
+ * AVX-512 paths fetched whole slots whatever the task read: a one-kv-head
+ * task of SmolLM2-1.7B's shape, 32 kv heads, read 32 times the bytes it
+ * used; docs/benchmarks.md.)
  *
  * Layouts (all contiguous):
  *   q, out            [T, H, D]
@@ -184,14 +186,25 @@ static inline void qk_four(const float *qh, int64_t D, const void *k_cache,
  * heads) used whole while it is in L1, so the pool streams from memory in
  * order; a pass per kv head (every third 128-byte piece) ran at a fraction of
  * the bandwidth once the context outgrew the caches. */
-static inline void scores_grouped(const float *qt, const void *k_cache, const int64_t *table,
-                                  int64_t n, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
-                                  int64_t D, int64_t block_size, float scale, float *scores,
-                                  float *lse, const int bf16) {
-    const int64_t row = KVH * D;
+static inline void scores_grouped(const float *qt, const void *k_cache, const void *v_cache,
+                                  const int64_t *table, int64_t n, int64_t h0, int64_t h1,
+                                  int64_t G, int64_t KVH, int64_t D, int64_t block_size,
+                                  float scale, float *scores, float *lse, const int bf16) {
+    const int64_t row = KVH * D, es = bf16 ? 2 : 4;
     const int64_t g0 = h0 / G, g1 = h1 / G;
     int64_t b = 0, o = 0, p = 0;
+    /* While a block is scored, the next one's slots (after K's last, V's
+     * first) are asked for, a part each four positions. */
+    const int64_t parts = (block_size + 3) / 4;
+    prefetch_run next = {NULL, 0, 0, 0};
     for (; p + 4 <= n; p += 4) {
+        if (o < 4)
+            next = p + block_size < n
+                       ? piece_run(k_cache, table, p + block_size, n, block_size, row * es,
+                                   g0 * D * es, (g1 - g0) * D * es)
+                       : piece_run(v_cache, table, 0, n, block_size, row * es, g0 * D * es,
+                                   (g1 - g0) * D * es);
+        prefetch_part(next, o / 4, parts);
         int64_t slot[4];
         for (int j = 0; j < 4; j++) {
             slot[j] = (table[b] * block_size + o) * row;
@@ -258,10 +271,15 @@ static inline void values_grouped(const void *v_cache, const int64_t *table, int
     const int64_t g0 = h0 / G, g1 = h1 / G;
     memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
     if (D % 16 == 0) {
+        const int64_t es = bf16 ? 2 : 4;
         for (int64_t p0 = 0; p0 < n; p0 += block_size) {
             const int64_t base = table[p0 / block_size] * block_size * row;
             const int64_t m = (n - p0) < block_size ? (n - p0) : block_size;
-            for (int64_t g = g0; g < g1; g++)
+            /* the next block's first sixteen positions, a part per kv group */
+            const prefetch_run next = piece_run(v_cache, table, p0 + block_size, n, block_size,
+                                                row * es, g0 * D * es, (g1 - g0) * D * es);
+            for (int64_t g = g0; g < g1; g++) {
+                prefetch_part(next, g - g0, g1 - g0);
                 for (int64_t hs = g * G; hs < (g + 1) * G; hs += 3) {
                     const int64_t nh = (g + 1) * G - hs < 3 ? (g + 1) * G - hs : 3;
                     for (int64_t x0 = 0; x0 < D; x0 += 16) {
@@ -271,6 +289,7 @@ static inline void values_grouped(const void *v_cache, const int64_t *table, int
 #undef PV
                     }
                 }
+            }
         }
         return;
     }
@@ -312,8 +331,8 @@ static inline void attention_task_grouped(const float *qt, const void *k_cache,
                                           int64_t KVH, int64_t D, int64_t block_size,
                                           float scale, float *scores, float *acc, float *lse,
                                           const int bf16) {
-    scores_grouped(qt, k_cache, table, n, h0, h1, G, KVH, D, block_size, scale, scores, lse,
-                   bf16);
+    scores_grouped(qt, k_cache, v_cache, table, n, h0, h1, G, KVH, D, block_size, scale,
+                   scores, lse, bf16);
     values_grouped(v_cache, table, n, h0, h1, G, KVH, D, block_size, scores, acc, bf16);
 }
 
@@ -661,8 +680,8 @@ static void attention_task_avx512(const float *qt, const uint16_t *qb, const voi
         softmax_rows(scores, n, h0, h1, lse);
     } else
 #endif
-        scores_grouped(qt, k_cache, table, n, h0, h1, G, KVH, D, block_size, scale, scores,
-                       lse, bf16);
+        scores_grouped(qt, k_cache, v_cache, table, n, h0, h1, G, KVH, D, block_size, scale,
+                       scores, lse, bf16);
     memset(acc + h0 * D, 0, sizeof(float) * (h1 - h0) * D);
     const int64_t most = BATON_PV_REGS / (D / 16);
     for (int64_t p0 = 0; p0 < n; p0 += block_size) {
