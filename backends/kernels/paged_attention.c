@@ -190,20 +190,20 @@ static inline void scores_grouped(const float *qt, const void *k_cache, const vo
                                   const int64_t *table, int64_t n, int64_t h0, int64_t h1,
                                   int64_t G, int64_t KVH, int64_t D, int64_t block_size,
                                   float scale, float *scores, float *lse, const int bf16) {
-    const int64_t row = KVH * D, es = bf16 ? 2 : 4;
+    const int64_t row = KVH * D;
     const int64_t g0 = h0 / G, g1 = h1 / G;
     int64_t b = 0, o = 0, p = 0;
     /* While a block is scored, the next one's slots (after K's last, V's
-     * first) are asked for, a part each four positions. */
-    const int64_t parts = (block_size + 3) / 4;
+     * first) are asked for, a part each four positions: of each slot (bytes)
+     * the task's kv heads' (len bytes from off). */
+    const int64_t es = bf16 ? 2 : 4, bytes = row * es, off = g0 * D * es,
+                  len = (g1 - g0) * D * es, parts = (block_size + 3) / 4;
     prefetch_run next = {NULL, 0, 0, 0};
     for (; p + 4 <= n; p += 4) {
         if (o < 4)
             next = p + block_size < n
-                       ? piece_run(k_cache, table, p + block_size, n, block_size, row * es,
-                                   g0 * D * es, (g1 - g0) * D * es)
-                       : piece_run(v_cache, table, 0, n, block_size, row * es, g0 * D * es,
-                                   (g1 - g0) * D * es);
+                       ? piece_run(k_cache, table, p + block_size, n, block_size, bytes, off, len)
+                       : piece_run(v_cache, table, 0, n, block_size, bytes, off, len);
         prefetch_part(next, o / 4, parts);
         int64_t slot[4];
         for (int j = 0; j < 4; j++) {
