@@ -1,0 +1,25 @@
+"""benchmarks/plan_ab.py: one process, two backends of one model (the plan as
+chosen, and with the named parts replaced), alternating single steps."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from benchmarks import plan_ab
+
+
+def test_side_b_runs_the_replaced_plan_and_both_are_timed(tiny_llama_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [
+        "plan_ab.py", "--model", str(tiny_llama_dir), "--dtype", "float32", "--context", "20",
+        "--pairs", "4", "--enforce-eager", "--replace", "norm=torch,activation=torch"])
+    plan_ab.main()
+    out = capsys.readouterr().out.splitlines()
+    a = next(line for line in out if line.startswith("A: "))
+    b = next(line for line in out if line.startswith("B: "))
+    assert "norm torch" in b and "silu torch" in b and "decode steps eager" in b
+    # Everything but the replaced parts is A's plan.
+    assert re.sub(r"(norm|silu) \w+", "", a[3:]) == re.sub(r"(norm|silu) \w+", "", b[3:])
+    assert re.fullmatch(r"4 pairs of single steps, batch 1, context 20\+: A [\d.]+ ms, "
+                        r"B [\d.]+ ms \(p50\); B/A [\d.]+ of the medians, [\d.]+ median of "
+                        r"the pairs, B faster in [0-4] of 4", out[-1]), out[-1]
