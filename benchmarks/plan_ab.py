@@ -99,9 +99,11 @@ def main() -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     a, b = side(False), side(True)
-    for _ in range(3):
-        step(a), step(b)
-    a["times"].clear(), b["times"].clear()
+    for _ in range(3):  # warm
+        step(a)
+        step(b)
+    a["times"].clear()
+    b["times"].clear()
     for i in range(args.pairs):
         for s in ((a, b) if i % 2 else (b, a)):
             step(s)
