@@ -12,8 +12,9 @@ the medians and the median ratio of a pair (B over A: above 1, A is faster).
         [--model M] [--quantization gguf] [--batch 1] [--pairs 300] [--enforce-eager]
 
 The fields are those of ``backends.execution.ExecutionPlan`` (its
-``describe()`` line names them); a value the backend does not know fails
-when it builds.
+``describe()`` line names them); an unknown field fails, but a value the
+backend does not know is not always refused (an unknown ``lm_head`` runs as
+torch's): read B's plan line.
 """
 
 from __future__ import annotations
