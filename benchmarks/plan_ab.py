@@ -11,6 +11,10 @@ the medians and the median ratio of a pair (B over A: above 1, A is faster).
     .venv/bin/python benchmarks/plan_ab.py --replace norm=torch,activation=torch,rope_kv_store=torch \\
         [--model M] [--quantization gguf] [--batch 1] [--pairs 300] [--enforce-eager]
 
+With ``--b-through-dynamo`` (``--replace`` then optional), B's compiled
+step calls its graphs through Dynamo at every step, as it did before
+each graph's code was called directly (backends/compiled_step.py).
+
 The fields are those of ``backends.execution.ExecutionPlan`` (its
 ``describe()`` line names them); an unknown field fails, but a value the
 backend does not know is not always refused (an unknown ``lm_head`` runs as
@@ -40,8 +44,10 @@ from backends.quantization.spec import QuantizationSpec  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replace", required=True,
+    ap.add_argument("--replace", default="",
                     help="FIELD=VALUE[,FIELD=VALUE...] of the execution plan for side B")
+    ap.add_argument("--b-through-dynamo", action="store_true",
+                    help="B's compiled step calls its graphs through Dynamo every step")
     ap.add_argument("--model", default=None)
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"])
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
@@ -50,7 +56,9 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--enforce-eager", dest="compile", action="store_false")
     args = ap.parse_args()
-    changes = dict(item.split("=", 1) for item in args.replace.split(","))
+    changes = dict(item.split("=", 1) for item in args.replace.split(",") if item)
+    if not changes and not args.b_through_dynamo:
+        ap.error("name what side B changes: --replace, --b-through-dynamo or both")
 
     path = resolve_model_path(args.model)
     bs = 16
@@ -76,7 +84,14 @@ def main() -> None:
                 execution=ExecutionOptions(compile=args.compile)))
         finally:
             factory.make_plan = planned
-        print(f"{'B' if replace else 'A'}: {backend.plan.describe()}", flush=True)
+        if replace and args.b_through_dynamo:
+            if backend._compiled is None:
+                ap.error("--b-through-dynamo: B's plan has no compiled step")
+            backend._compiled._graphs = dict.fromkeys(backend._compiled._graphs,
+                                                      backend._compiled._fn)
+        print(f"{'B' if replace else 'A'}: {backend.plan.describe()}"
+              f"{', graphs through Dynamo' if replace and args.b_through_dynamo else ''}",
+              flush=True)
         gen = torch.Generator().manual_seed(0)
         rows = {}
         for i in range(args.batch):

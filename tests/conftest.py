@@ -26,6 +26,15 @@ import torch
 # tests/test_compiled_step.py covers the compiled step and that default.
 os.environ["BATON_COMPILE"] = "0"
 
+
+@pytest.fixture(autouse=True)
+def _compiled_steps_check_guards(monkeypatch):
+    """Every compiled step a test runs checks, at every step, the guards
+    Dynamo would have checked (a served step skips them: its inputs keep
+    them by construction); a step whose inputs break them fails the test."""
+    from backends.compiled_step import CompiledStep
+    monkeypatch.setattr(CompiledStep, "check_guards", True)
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2  # trainer assigns special tokens first

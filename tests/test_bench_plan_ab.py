@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
+
 from benchmarks import plan_ab
 
 
@@ -23,3 +25,29 @@ def test_side_b_runs_the_replaced_plan_and_both_are_timed(tiny_llama_dir, monkey
     assert re.fullmatch(r"4 pairs of single steps, batch 1, context 20\+: A [\d.]+ ms, "
                         r"B [\d.]+ ms \(p50\); B/A [\d.]+ of the medians, [\d.]+ median of "
                         r"the pairs, B faster in [0-4] of 4", out[-1]), out[-1]
+
+
+@pytest.mark.slow  # compiles a step (seconds)
+def test_side_b_can_call_its_graphs_through_dynamo(tiny_llama_dir, monkeypatch, capsys,
+                                                   tmp_path):
+    """--b-through-dynamo: the same plan on both sides, B's compiled step
+    calling its graphs through Dynamo at every step, A's their code directly."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    calls = []
+    monkeypatch.setattr(sys, "argv", [
+        "plan_ab.py", "--model", str(tiny_llama_dir), "--dtype", "float32", "--context", "20",
+        "--pairs", "3", "--b-through-dynamo"])
+    from backends import compiled_step
+    real = compiled_step.CompiledStep.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(self._graphs.get(False) is self._fn)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(compiled_step.CompiledStep, "__call__", spy)
+    plan_ab.main()
+    out = capsys.readouterr().out.splitlines()
+    a = next(line for line in out if line.startswith("A: "))
+    b = next(line for line in out if line.startswith("B: "))
+    assert "decode steps compiled" in a and b[3:] == a[3:] + ", graphs through Dynamo"
+    assert out[-1].startswith("3 pairs of single steps")
+    assert True in calls and False in calls  # B's steps through Dynamo, A's not

@@ -121,17 +121,20 @@ def test_compiled_step_calls_no_operator_through_python(tiny_llama_dir):
     run_all(core, _prompts(core.vocab_size, seed=2, lengths=(9,)), GREEDY)  # warm
     frames: list[str] = []
     steps = []
-    real = compiled._fn
 
-    def counted(*args):
-        steps.append(args[0].shape[0])
-        sys.setprofile(lambda frame, event, _arg: frames.append(frame.f_code.co_filename)
-                       if event == "call" else None)
-        try:
-            return real(*args)
-        finally:
-            sys.setprofile(None)
-    compiled._fn = counted
+    def counted(real):
+        def call(*args):
+            steps.append(args[0].shape[0])
+            sys.setprofile(lambda frame, event, _arg: frames.append(frame.f_code.co_filename)
+                           if event == "call" else None)
+            try:
+                return real(*args)
+            finally:
+                sys.setprofile(None)
+        return call
+    assert set(compiled._graphs) == {False, True}  # the warm-up's, called directly
+    assert all(graph is not compiled._fn for graph in compiled._graphs.values())
+    compiled._graphs = {many: counted(graph) for many, graph in compiled._graphs.items()}
     prompts = _prompts(core.vocab_size, seed=3, lengths=(20,))  # a prefill, then one-token steps
     _same(run_all(core, prompts, GREEDY), run_all(_engine(tiny_llama_dir, False), prompts,
                                                   GREEDY), 1e-5)
@@ -155,6 +158,47 @@ def test_compile_cache_is_baton_s_own_once_dynamo_is_imported(tmp_path, monkeypa
     assert cache_dir() == str(tmp_path / "baton")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert use_compile_cache() == tmp_path / "mine"
+
+
+def test_steps_call_the_graphs_code_and_the_tests_check_their_guards(tiny_llama_dir):
+    """After the warm-up's calls through Dynamo, steps call each graph's code
+    directly (no Dynamo frame evaluation a step); with the tests'
+    ``check_guards``, inputs that break the guards Dynamo would check (a block
+    table one column wide, which Dynamo specialises) raise instead of running
+    a graph traced for others."""
+    from backends.attention import TokenRowsMetadata
+    core = _engine(tiny_llama_dir, True)
+    compiled = core.backend._compiled
+    assert compiled.through_dynamo is None
+    assert set(compiled._graphs) == {False, True}
+    assert all(graph is not compiled._fn for graph in compiled._graphs.values())
+    ids = torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="guards"):
+        compiled(ids, ids.clone(), TokenRowsMetadata(
+            ids.clone(), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+            core.backend.block_size), torch.zeros(1, dtype=torch.long))
+
+
+def test_a_graph_whose_code_is_not_found_runs_through_dynamo(tiny_llama_dir, monkeypatch,
+                                                             caplog):
+    """Where Dynamo's cache does not show the graph a call compiled (another
+    torch than this one), the step says so in the log and keeps calling
+    through Dynamo, with the same results."""
+    import logging
+
+    import torch._dynamo.eval_frame as eval_frame
+    monkeypatch.setattr(eval_frame, "_debug_get_cache_entry_list", lambda code: [])
+    with caplog.at_level(logging.WARNING, logger="baton.backend"):
+        core = _engine(tiny_llama_dir, True)
+    compiled = core.backend._compiled
+    assert compiled.through_dynamo == "0 new graphs for one call"
+    assert "runs through Dynamo's call" in caplog.text
+    assert all(graph is compiled._fn for graph in compiled._graphs.values())
+    prompts = _prompts(core.vocab_size, seed=4, lengths=(6, 30))
+    _same(run_all(core, prompts, GREEDY),
+          run_all(_engine(tiny_llama_dir, False), prompts, GREEDY), 1e-5)
+    monkeypatch.undo()
+    assert compiled.graphs_compiled() == 2
 
 
 def test_compile_cache_is_written_and_reused(tiny_llama_dir, compile_cache):
