@@ -73,9 +73,11 @@ COLUMNS = [
     ("c=32 TTFT p50 (ms)", 32, "ttft_p50_ms", "{:.0f}"),
 ]
 # (description, concurrency, attribute, comparison, bound): ratio = first / other.
+# The current performance issue's (33): c=32 output at least 1.5x the better
+# peer's, c=1 inter-token p50 at most llama.cpp's; and a first token no later.
 GOALS = [
-    ("c=32 output tok/s ratio", 32, "output_tok_per_s", ">=", 2.0),
-    ("c=1 inter-token p50 ratio", 1, "itl_p50_ms", "<=", 0.4),
+    ("c=32 output tok/s ratio", 32, "output_tok_per_s", ">=", 1.5),
+    ("c=1 inter-token p50 ratio", 1, "itl_p50_ms", "<=", 1.0),
     ("c=32 TTFT p50 ratio", 32, "ttft_p50_ms", "<=", 1.0),
 ]
 
