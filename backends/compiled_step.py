@@ -174,14 +174,15 @@ class CompiledStep:
                 last = input_ids.shape[0] - 1
                 logits_index = torch.cat([logits_index, logits_index.new_full(
                     (2 - picked,), last)])
-            for t in (input_ids, positions, meta.slot_mapping, meta.block_tables,
-                      meta.seq_lens, logits_index):
-                torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(meta.block_tables, 1)
-        self.graphs_built.add("many" if many else "one")
         args = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                 logits_index, meta.block_size)
         graph = self._graphs.get(many)
+        if graph is None or graph is self._fn:  # a call through Dynamo, which reads the marks
+            if many:
+                for t in args[:6]:
+                    torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(meta.block_tables, 1)
+            self.graphs_built.add("many" if many else "one")
         logits = graph(*args) if graph is not None else self._first_call(many, args)
         return logits[:picked] if picked < logits.shape[0] else logits
 
