@@ -14,9 +14,11 @@ from benchmarks import plan_ab
 def test_side_b_runs_the_replaced_plan_and_both_are_timed(tiny_llama_dir, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [
         "plan_ab.py", "--model", str(tiny_llama_dir), "--dtype", "float32", "--context", "20",
-        "--pairs", "4", "--enforce-eager", "--replace", "norm=torch,activation=torch"])
+        "--pairs", "4", "--enforce-eager", "--replace", "norm=torch,activation=torch",
+        "--build-b-first"])
     plan_ab.main()
     out = capsys.readouterr().out.splitlines()
+    assert [line[:2] for line in out if line[:3] in ("A: ", "B: ")] == ["B:", "A:"]
     a = next(line for line in out if line.startswith("A: "))
     b = next(line for line in out if line.startswith("B: "))
     assert "norm torch" in b and "silu torch" in b and "decode steps eager" in b
