@@ -152,7 +152,6 @@ class CompiledStep:
         }
         self._fn = torch.compile(forward, fullgraph=True, dynamic=False, options=options)
         self._globals, self._closure = forward.__globals__, forward.__closure__
-        self.graphs_built: set[str] = set()
         # The one-token and the many-token graph's code as functions (or,
         # where that code could not be found, self._fn: Dynamo's call).
         self._graphs: dict[bool, object] = {}
@@ -182,9 +181,13 @@ class CompiledStep:
                 for t in args[:6]:
                     torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(meta.block_tables, 1)
-            self.graphs_built.add("many" if many else "one")
         logits = graph(*args) if graph is not None else self._first_call(many, args)
         return logits[:picked] if picked < logits.shape[0] else logits
+
+    @property
+    def graphs_built(self) -> set[str]:
+        """Which graphs steps have run: "one" (token), "many"."""
+        return {"many" if many else "one" for many in self._graphs}
 
     def _first_call(self, many: bool, args: tuple) -> torch.Tensor:
         """The step through Dynamo, which compiles (or loads) the graph for
