@@ -40,9 +40,10 @@ def resolve_dtype(name: str, device: str) -> str:
     is bound by streaming them, and bf16 halves the bytes. Where the CPU has
     native bf16 arithmetic (AVX-512 BF16 / AMX) the activations are bf16
     too; elsewhere the plan computes in float32 on the bf16 weights
-    (backends/execution.py), as llama.cpp does there. Quantized models too:
-    their projections keep their codes, the rest (the embedding and output
-    layer above all) is held in bf16."""
+    (backends/execution.py), as llama.cpp does there, and so do 4-bit
+    models on a CPU without AMX. Quantized models too: their projections
+    keep their codes, the rest (the embedding and output layer above all)
+    is held in bf16."""
     if name != "auto":
         return name
     if device.startswith("cuda"):

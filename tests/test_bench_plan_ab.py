@@ -31,10 +31,13 @@ def test_side_b_runs_the_replaced_plan_and_both_are_timed(tiny_llama_dir, monkey
 
 @pytest.mark.slow  # compiles a step (seconds)
 def test_side_b_can_call_its_graphs_through_dynamo(tiny_llama_dir, monkeypatch, capsys,
-                                                   tmp_path):
+                                                   tmp_path_factory):
     """--b-through-dynamo: the same plan on both sides, B's compiled step
     calling its graphs through Dynamo at every step, A's their code directly."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    # The compile cache the compiled-step tests share (away from the
+    # user's): side B loads what side A built.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR",
+                       str(tmp_path_factory.getbasetemp() / "inductor-cache"))
     calls = []
     monkeypatch.setattr(sys, "argv", [
         "plan_ab.py", "--model", str(tiny_llama_dir), "--dtype", "float32", "--context", "20",

@@ -12,6 +12,7 @@ from backends.execution import (Availability, CpuFeatures, ExecutionError, Execu
 AVX2 = CpuFeatures(avx2=True)
 AVX512 = CpuFeatures(avx2=True, avx512=True)
 AMX = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True, amx_bf16=True)
+ZEN4 = CpuFeatures(avx2=True, avx512=True, avx512_bf16=True)  # AVX512_BF16, no AMX
 ALL = Availability(native_kernels=frozenset({"portable", "avx2", "avx512", "avx512_bf16"}),
                    onednn_dtypes=frozenset({"float32", "bfloat16"}))
 F32_ONEDNN = Availability(native_kernels=ALL.native_kernels, onednn_dtypes=frozenset({"float32"}))
@@ -73,6 +74,14 @@ TABLE = [
     ("avx512-int4-bf16-no-compiler", "cpu", "bfloat16", "int4", AVX512, NO_CC,
      ExecutionOptions(),
      ("float32", "bfloat16", "bfloat16", "int4", "torch", None, "torch-sdpa", 0)),
+    # Native bf16 without AMX: a 4-bit model takes the bf16-weights mode
+    # (float32 rows for the native 4-bit kernel); unquantized, bf16 rows.
+    ("avx512bf16-gguf-bf16", "cpu", "bfloat16", "gguf", ZEN4, ALL, ExecutionOptions(),
+     ("float32", "bfloat16", "bfloat16", "gguf", "bf16-gemv+torch", "avx512_bf16", "native",
+      0)),
+    ("avx512bf16-bf16", "cpu", "bfloat16", "none", ZEN4, ALL, ExecutionOptions(),
+     ("bfloat16", "bfloat16", "bfloat16", "bf16-gemv+onednn", "bf16-gemv+onednn",
+      "avx512_bf16", "native", 4)),
     ("amx-gguf-bf16", "cpu", "bfloat16", "gguf", AMX, ALL, ExecutionOptions(),
      ("bfloat16", "bfloat16", "bfloat16", "gguf", "bf16-gemv+torch", "avx512_bf16", "native",
       0)),
@@ -105,7 +114,9 @@ def test_4bit_projections_of_float32_rows_go_native_without_native_bf16(quant):
     take the native 4-bit kernel; elsewhere, and without native kernels,
     torch's kernel runs, and int8 always does. Asking for bfloat16 there
     gets float32 rows on bf16 weights, so the native kernel too, with its
-    rows rounded to int8 blocks (the bf16-weights mode's numerics)."""
+    rows rounded to int8 blocks (the bf16-weights mode's numerics); so does
+    an AVX512_BF16 CPU without AMX (its one-row steps faster so), float32
+    or bfloat16 asked for."""
     four_bit = quant != "int8"
 
     def native(cpu, available=F32_ONEDNN, options=ExecutionOptions(), dtype="float32"):
@@ -121,6 +132,9 @@ def test_4bit_projections_of_float32_rows_go_native_without_native_bf16(quant):
     assert not native(AMX, ALL)                      # native bf16: torch's kernel in bf16
     assert native(AVX2, dtype="bfloat16") == four_bit  # bf16 weights, float32 rows
     assert not native(AMX, ALL, dtype="bfloat16")    # bf16 rows: torch's kernel
+    assert native(ZEN4, ALL) == four_bit             # no AMX: the native kernel
+    assert native(ZEN4, ALL, dtype="bfloat16") == four_bit
+    assert not native(ZEN4, NO_CC, dtype="bfloat16")
     assert not native(AVX2, NO_CC)                   # no native kernels
     assert not native(AVX2, ALL, OFF)
     assert not native(AMX, ALL, ExecutionOptions(cpu_kind="portable"))
@@ -128,9 +142,9 @@ def test_4bit_projections_of_float32_rows_go_native_without_native_bf16(quant):
 
 def test_a_gguf_q8_0_output_layer_runs_on_its_codes_with_8bit_rows():
     """Where the 4-bit projections take 8-bit rows (gguf, bf16 weights,
-    native kernels without native bf16), a Q8_0 output layer runs on the
-    native kernel's int8 weights; any other format, float32 asked for, a
-    native-bf16 CPU, no native kernels, or tensor parallelism keep the
+    native kernels without native bf16 or without AMX), a Q8_0 output layer
+    runs on the native kernel's int8 weights; any other format, float32
+    asked for, an AMX CPU, no native kernels, or tensor parallelism keep the
     dense head."""
     def head(cpu=AVX2, available=F32_ONEDNN, dtype="bfloat16", fmt="Q8_0", quant="gguf",
              options=ExecutionOptions()):
@@ -143,6 +157,7 @@ def test_a_gguf_q8_0_output_layer_runs_on_its_codes_with_8bit_rows():
     assert head(fmt="F16") == head(fmt="") == head(fmt="Q6_K") == "bf16-gemv+torch"
     assert head(dtype="float32") == "torch"
     assert head(AMX, ALL) == "bf16-gemv+torch"                  # bf16 rows
+    assert head(ZEN4, ALL) == "q8_0-native"                     # no AMX: 8-bit rows
     assert head(available=NO_CC) == "torch"                     # no native kernels
     assert head(quant="int4") == "bf16-gemv+torch"              # not a GGUF's blocks
     assert head(options=ExecutionOptions(tensor_parallel_size=2)) != "q8_0-native"
@@ -150,7 +165,8 @@ def test_a_gguf_q8_0_output_layer_runs_on_its_codes_with_8bit_rows():
 
 @pytest.mark.parametrize("quant", ["none", "gguf"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("cpu", [AVX2, AVX512, AMX], ids=["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("cpu", [AVX2, AVX512, ZEN4, AMX],
+                         ids=["avx2", "avx512", "avx512_bf16", "amx"])
 def test_numerics_do_not_depend_on_what_is_available(dtype, cpu, quant):
     """A compiler, oneDNN or the fast-path switch change implementations, never
     the dtypes values are computed and stored in."""
