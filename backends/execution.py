@@ -392,8 +392,9 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # A 4-bit model streams its codes: where there are no AMX tiles, the
     # native 4-bit kernel on float32 rows (rounded to int8 blocks) beats
     # torch's int4 kernel in bf16, so bfloat16 there takes the same
-    # bf16-weights mode (AVX512_BF16 EPYC, --quantization gguf: a one-row
-    # step 1.15-1.39x as fast, five pairs; level at 32 rows). AMX CPUs keep
+    # bf16-weights mode (Zen 4 EPYC, --quantization gguf: a one-row step
+    # 1.2x as fast, median of eight pairs; 32 rows level in four of five
+    # pairs; docs/benchmarks.md). AMX CPUs keep
     # bf16 activations (not measured this way). Numerics never depend on
     # what is available, so without native kernels too.
     int4_f32 = quantization in ("int4", "gguf") and cpu.native_bf16 and not cpu.amx_bf16
@@ -461,8 +462,7 @@ def _plain_plan(device: str, dtype: str, quantization: str, cpu: CpuFeatures,
     # and multiplies in integers (VPMADDUBSW: 1.5-2x the float32 decoding at
     # one row, AVX2 EPYC); --dtype float32 keeps float32 arithmetic.
     int4_native = (quantization in ("int4", "gguf") and native and activation == "float32"
-                   and (kernels in ("avx2", "avx512")
-                        or kernels == "avx512_bf16" and not cpu.amx_bf16))
+                   and kernels in ("avx2", "avx512", "avx512_bf16") and not cpu.amx_bf16)
     # With 8-bit rows, a GGUF's Q8_0 output layer runs on its own codes too
     # (the same kernel's int8 weights: 30 MB a step for SmolLM2 against the
     # 57 MB of bf16 tiles).
